@@ -1,0 +1,1 @@
+"""Reference models. They know nothing about ZeRO."""
