@@ -4,4 +4,30 @@
     engine = zerompi.initialize(model, {"stage": 2, "precision": "bf16"})
     loss = engine(x, y); engine.backward(loss); engine.step()
 """
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from . import runtime
+from .config import ZeroConfig, load as load_config
+
 __version__ = "0.1.0"
+
+# An exception on any rank must end the whole MPI job (see runtime.py). The hook only
+# calls MPI_Abort when MPI is already initialised, so importing zerompi stays cheap.
+runtime.install_abort_hook()
+
+
+def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, comm: Any = None,
+               param_groups: Sequence[dict] | None = None):
+    """Wrap `model` in a ZeRO engine for `config` (a ZeroConfig, dict, or JSON/TOML path).
+
+    `param_groups` are torch-style groups ({"params": [...], "weight_decay": 0.0, ...});
+    parameters not listed use the config's optimizer settings. `comm` defaults to the
+    data-parallel group of COMM_WORLD."""
+    from .engine import ZeroEngine
+
+    return ZeroEngine(model, config, comm=comm, param_groups=param_groups)
+
+
+__all__ = ["initialize", "ZeroConfig", "load_config", "runtime", "__version__"]

@@ -1,0 +1,33 @@
+"""zerompi: ZeRO stages 0-3 over MPI, for torch models on Slurm/InfiniBand clusters."""
+from setuptools import find_packages, setup
+
+setup(
+    name="zerompi",
+    version="0.1.0",
+    description="ZeRO (Zero Redundancy Optimizer) over MPI and NCCL for PyTorch",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["zerompi", "zerompi.*"]),
+    # CUDA sources ship inside the package so installed copies can compile them at run time.
+    package_data={"zerompi": ["cuda_src/*.cu", "cuda_src/*.cuh"]},
+    install_requires=[
+        "mpi4py>=4.0",
+        "numpy>=1.24",
+        # Install torch==2.13.0 (the CPU wheel) first on machines without a GPU; an
+        # unpinned torch pulls the newest CUDA build (several GB).
+        "torch>=2.3",
+        "h5py>=3.8",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        # An MPI library from PyPI for machines without a site MPI (workstations, CI).
+        "mpich": ["mpich"],
+        "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
+        "test": ["pytest>=7", "matplotlib>=3.6"],
+        "bench": ["matplotlib>=3.6"],
+    },
+    entry_points={"console_scripts": [
+        "zerompi-train=zerompi.train:main",
+    ]},
+)

@@ -1,0 +1,22 @@
+"""Communicators: the collectives ZeRO needs, behind one interface.
+
+Every communicator has rank, size, all_reduce, reduce_scatter, all_gather, broadcast
+(non-blocking variants return a Handle with test()/wait()), split, and per-collective
+counters (stats/reset_stats). Communicators are passed explicitly, never global.
+"""
+from .base import CommStats, DoneHandle, Handle
+from .mpi import MPICommunicator
+
+
+def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", device=None):
+    """A communicator over `world` (an mpi4py communicator; COMM_WORLD if None).
+
+    backend 'auto' is MPI for CPU tensors; the NCCL backend lives in comm/nccl.py."""
+    if backend == "nccl":
+        from .nccl import NCCLCommunicator  # noqa: F401  (GPU only)
+
+        raise NotImplementedError("config key 'comm.backend' = 'nccl': not available in this build")
+    return MPICommunicator(world, reduce_scatter=reduce_scatter)
+
+
+__all__ = ["CommStats", "Handle", "DoneHandle", "MPICommunicator", "create"]

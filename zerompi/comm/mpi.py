@@ -1,0 +1,212 @@
+"""Communicator over mpi4py's buffer (uppercase) calls: no pickling in the hot path.
+
+Tensors are CPU torch tensors (or numpy arrays), passed to MPI zero-copy. bf16/fp16 have
+no MPI reduction type: they are moved as 16-bit integers and summed by torch, which the
+'ordered' reduce-scatter does anyway.
+
+reduce_scatter 'ordered' (the default) is an alltoall followed by a sum in rank order
+0..N-1 on the receiver: the pairwise-exchange algorithm, same bytes on the wire as any
+reduce-scatter, but every element is summed in the same order whatever the message size.
+MPICH picks its reduce-scatter/allreduce algorithm by message size, and at N >= 3 the
+algorithms sum in different orders (measured: ~30% of elements differ in the last bit),
+so results would otherwise depend on the bucket size.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import CommStats, DoneHandle, Handle
+
+_OPS = ("sum", "max", "min", "lor")
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _arr(t: Any, name: str) -> np.ndarray:
+    """Zero-copy numpy view of a contiguous CPU tensor (16-bit floats as int16)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or numpy array, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: MPI communicator needs CPU tensors, got {t.device} "
+                         "(GPU tensors go through comm.backend=nccl or a CUDA-aware MPI)")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: tensor must be contiguous")
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+def _reducible(t: Any, name: str) -> None:
+    dt = t.dtype
+    if isinstance(t, torch.Tensor) and dt in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: MPI cannot reduce {dt}; reduce in fp32 or use the ordered algorithm")
+
+
+class MPICommunicator:
+    """Collectives over an (internally duplicated) MPI communicator."""
+
+    backend = "mpi"
+
+    def __init__(self, comm: Any = None, reduce_scatter: str = "ordered", _dup: bool = True):
+        MPI = _mpi()
+        comm = MPI.COMM_WORLD if comm is None else comm
+        # A private duplicate keeps our traffic apart from the user's own messages.
+        self.comm = comm.Dup() if _dup else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        if reduce_scatter not in ("ordered", "native"):
+            raise ValueError(f"reduce_scatter algorithm {reduce_scatter!r}: ordered or native")
+        self.algorithm = reduce_scatter
+        self._stats = CommStats()
+
+    # ------------------------------------------------------------ helpers
+    def _op(self, op: str):
+        MPI = _mpi()
+        try:
+            return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "lor": MPI.LOR}[op]
+        except KeyError:
+            raise ValueError(f"reduction op {op!r}: one of {_OPS}") from None
+
+    def _handle(self, opname: str, req, finish=None) -> Handle:
+        return Handle(self._stats, opname, req.Wait, req.Test, finish)
+
+    def _run(self, opname: str, req, async_op: bool, finish=None):
+        h = self._handle(opname, req, finish)
+        if async_op:
+            return h
+        h.wait()
+        return None
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce(self, t, op: str = "sum", async_op: bool = False):
+        """In-place all-reduce. Sums of buffers divisible by the group size use the
+        ordered reduce-scatter + all-gather (deterministic, identical on all ranks)."""
+        n = t.numel() if isinstance(t, torch.Tensor) else t.size
+        self._stats.record("all_reduce", 2 * n, t.element_size() if isinstance(t, torch.Tensor) else t.itemsize)
+        if self.size == 1:
+            return DoneHandle() if async_op else None
+        if op == "sum" and self.algorithm == "ordered" and isinstance(t, torch.Tensor) \
+                and n % self.size == 0 and n >= self.size:
+            c = n // self.size
+            mine = t[self.rank * c:(self.rank + 1) * c]
+            scratch = torch.empty(n, dtype=t.dtype)
+            req = self.comm.Ialltoall(_arr(t, "all_reduce"), _arr(scratch, "scratch"))
+
+            def finish():
+                self._ordered_sum(scratch.view(self.size, c), mine)
+                self.comm.Allgather(MPIIN(), _arr(t, "all_reduce"))
+
+            return self._run("all_reduce", req, async_op, finish)
+        _reducible(t, "all_reduce")
+        req = self.comm.Iallreduce(MPIIN(), _arr(t, "all_reduce"), op=self._op(op))
+        return self._run("all_reduce", req, async_op)
+
+    @staticmethod
+    def _ordered_sum(parts: torch.Tensor, out: torch.Tensor) -> None:
+        # ((p0 + p1) + p2) + ... : fixed order on every rank, for every message size.
+        if out.dtype == parts.dtype:
+            out.copy_(parts[0])
+            for q in range(1, parts.shape[0]):
+                out.add_(parts[q])
+        else:
+            acc = parts[0].clone()
+            for q in range(1, parts.shape[0]):
+                acc.add_(parts[q])
+            out.copy_(acc)
+
+    def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False,
+                       scratch: torch.Tensor | None = None):
+        """recv (n) = this rank's n-element block of the sum over ranks of send (N*n)."""
+        n = recv.numel()
+        if send.numel() != n * self.size:
+            raise ValueError(f"reduce_scatter: send has {send.numel()} elements, expected "
+                             f"{self.size} x {n}")
+        self._stats.record("reduce_scatter", send.numel(), send.element_size())
+        if self.size == 1:
+            recv.copy_(send)
+            return DoneHandle() if async_op else None
+        if self.algorithm == "ordered" and op == "sum":
+            if scratch is None or scratch.numel() < send.numel() or scratch.dtype != send.dtype:
+                scratch = torch.empty(send.numel(), dtype=send.dtype)
+            tmp = scratch[:send.numel()]
+            req = self.comm.Ialltoall(_arr(send, "send"), _arr(tmp, "scratch"))
+            return self._run("reduce_scatter", req, async_op,
+                             lambda: self._ordered_sum(tmp.view(self.size, n), recv))
+        _reducible(send, "reduce_scatter")
+        req = self.comm.Ireduce_scatter_block(_arr(send, "send"), _arr(recv, "recv"), op=self._op(op))
+        return self._run("reduce_scatter", req, async_op)
+
+    def all_gather(self, send, recv, async_op: bool = False):
+        """recv (N*n) = concatenation over ranks of send (n). `send` may be this rank's
+        own block of `recv` (in place)."""
+        n = send.numel()
+        if recv.numel() != n * self.size:
+            raise ValueError(f"all_gather: recv has {recv.numel()} elements, expected {self.size} x {n}")
+        self._stats.record("all_gather", recv.numel(), recv.element_size())
+        inplace = (isinstance(send, torch.Tensor) and send.data_ptr()
+                   == recv.data_ptr() + self.rank * n * recv.element_size())
+        if self.size == 1:
+            if not inplace:
+                recv.copy_(send)
+            return DoneHandle() if async_op else None
+        sbuf = MPIIN() if inplace else _arr(send, "send")
+        req = self.comm.Iallgather(sbuf, _arr(recv, "recv"))
+        return self._run("all_gather", req, async_op)
+
+    def broadcast(self, t, root: int = 0) -> None:
+        n = t.numel()
+        self._stats.record("broadcast", n, t.element_size())
+        if self.size == 1:
+            return
+        t0 = time.perf_counter()
+        self.comm.Bcast(_arr(t, "broadcast"), root=root)
+        self._stats.add_time("broadcast", time.perf_counter() - t0)
+
+    def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]:
+        """Small float64 all-reduce (norms, overflow flags); counted like any all-reduce."""
+        buf = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce(buf, op=op) if op != "sum" else self._small_sum(buf)
+        return buf.tolist()
+
+    def _small_sum(self, buf: torch.Tensor) -> None:
+        # Native Allreduce on a handful of scalars: its order is fixed for a fixed size.
+        self._stats.record("all_reduce", 2 * buf.numel(), buf.element_size())
+        if self.size > 1:
+            t0 = time.perf_counter()
+            self.comm.Allreduce(MPIIN(), _arr(buf, "scalars"), op=_mpi().SUM)
+            self._stats.add_time("all_reduce", time.perf_counter() - t0)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def split(self, color: int, key: int | None = None) -> "MPICommunicator":
+        sub = self.comm.Split(color, self.rank if key is None else key)
+        return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False)
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Pickle-based broadcast, for set-up only (never in the training step)."""
+        return self.comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj: Any) -> list:
+        return self.comm.allgather(obj)
+
+    # ------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+
+def MPIIN():
+    return _mpi().IN_PLACE

@@ -1,0 +1,309 @@
+"""Typed, frozen configuration for zerompi.
+
+A config comes from a dict, a JSON or TOML file, or an existing `ZeroConfig`, plus
+command-line-style overrides (``optimizer.lr=3e-4`` or ``["--optimizer.lr", "3e-4"]``).
+Unknown keys and bad values raise ``ValueError`` naming the dotted key and the value,
+so a typo in a batch script fails on every rank before any collective is issued.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _fail(key: str, value: Any, why: str) -> None:
+    raise ValueError(f"config key '{key}' = {value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters (decoupled weight decay, as torch.optim.AdamW)."""
+
+    lr: float = 1e-3
+    """Learning rate; may be changed during training through ``engine.param_groups``."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Exponential decay rates of the first and second moments."""
+    eps: float = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (multiplies the parameter by 1 - lr * weight_decay)."""
+
+    def _validate(self, p: str) -> None:
+        if not self.lr >= 0:
+            _fail(f"{p}.lr", self.lr, "must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            _fail(f"{p}.betas", self.betas, "must be two numbers in [0, 1)")
+        if not self.eps > 0:
+            _fail(f"{p}.eps", self.eps, "must be > 0")
+        if not self.weight_decay >= 0:
+            _fail(f"{p}.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (ignored for bf16/fp32)."""
+
+    initial_scale: float = 2.0**16
+    """Loss scale of the first step."""
+    window: int = 1000
+    """Steps without overflow after which the scale is multiplied by `factor`."""
+    hysteresis: int = 2
+    """Overflows tolerated (step skipped, scale kept) before the scale is lowered."""
+    min_scale: float = 1.0
+    """The scale never goes below this; overflowing at the minimum raises an error."""
+    factor: float = 2.0
+    """Multiplier for raising and divisor for lowering the scale."""
+
+    def _validate(self, p: str) -> None:
+        if not self.initial_scale > 0:
+            _fail(f"{p}.initial_scale", self.initial_scale, "must be > 0")
+        if self.window < 1:
+            _fail(f"{p}.window", self.window, "must be >= 1")
+        if self.hysteresis < 1:
+            _fail(f"{p}.hysteresis", self.hysteresis, "must be >= 1")
+        if not 0 < self.min_scale <= self.initial_scale:
+            _fail(f"{p}.min_scale", self.min_scale, "must be in (0, initial_scale]")
+        if not self.factor > 1:
+            _fail(f"{p}.factor", self.factor, "must be > 1")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Collective communication."""
+
+    backend: str = "auto"
+    """auto | mpi | nccl. auto: NCCL for GPU tensors when available, MPI otherwise."""
+    reduce_scatter: str = "ordered"
+    """ordered: alltoall + sum in rank order, bitwise independent of bucket size;
+    native: the library's reduce-scatter (faster on some fabrics, order not fixed)."""
+
+    def _validate(self, p: str) -> None:
+        if self.backend not in ("auto", "mpi", "nccl"):
+            _fail(f"{p}.backend", self.backend, "must be one of auto, mpi, nccl")
+        if self.reduce_scatter not in ("ordered", "native"):
+            _fail(f"{p}.reduce_scatter", self.reduce_scatter, "must be ordered or native")
+
+
+@dataclass(frozen=True)
+class Stage3Config:
+    """Stage-3 parameter gathering (ignored for stages 0-2)."""
+
+    prefetch_modules: int = 1
+    """How many upcoming module groups are all-gathered ahead of use (0 = no prefetch)."""
+    max_live_parameters: int = 1 << 28
+    """Upper bound on gathered (full) parameter elements alive at once, prefetch included."""
+    persistence_threshold: int = 0
+    """Parameters with at most this many elements stay resident on every rank."""
+
+    def _validate(self, p: str) -> None:
+        if self.prefetch_modules < 0:
+            _fail(f"{p}.prefetch_modules", self.prefetch_modules, "must be >= 0")
+        if self.max_live_parameters < 1:
+            _fail(f"{p}.max_live_parameters", self.max_live_parameters, "must be >= 1")
+        if self.persistence_threshold < 0:
+            _fail(f"{p}.persistence_threshold", self.persistence_threshold, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Everything the engine needs. Field names of DESIGN.md section 4 are stable."""
+
+    stage: int = 0
+    """0: plain data parallel (all-reduce); 1: partitioned optimizer states;
+    2: + partitioned gradients; 3: + partitioned parameters."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16. bf16/fp16 keep fp32 master weights for the rank's shard."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (engine.step() updates on every n-th call)."""
+    gradient_clipping: float = 0.0
+    """Max global L2 norm of the gradient; 0 disables clipping."""
+    bucket_size: int = 1 << 24
+    """Elements per communication bucket (also the partition block, see docs)."""
+    bucket_count: int = 2
+    """Buckets in flight at once: one filling while the others reduce."""
+    reduce_dtype: str = "fp32"
+    """dtype in which gradients are summed across ranks (fp32 or the param dtype)."""
+    grad_accum_dtype: str = "param"
+    """dtype of stored gradients between micro-steps: 'param' (the paper's memory
+    numbers) or 'fp32' (exact accumulation, +2 bytes per stored element in bf16/fp16)."""
+    alignment: int = 16
+    """Each parameter starts at a multiple of this many elements in the flat buffer."""
+    fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    stage3: Stage3Config = field(default_factory=Stage3Config)
+    tensor_parallel_size: int = 1
+    """Ranks per tensor-parallel group; data parallelism runs across groups."""
+    seed: int = 1234
+    """Base seed; rank r seeds torch/numpy/random with seed + r."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            _fail("stage", self.stage, "must be 0, 1, 2 or 3")
+        if self.precision not in PRECISIONS:
+            _fail("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+        if self.gradient_accumulation_steps < 1:
+            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
+        if not self.gradient_clipping >= 0:
+            _fail("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 = off)")
+        if self.bucket_size < 1:
+            _fail("bucket_size", self.bucket_size, "must be >= 1")
+        if self.bucket_count < 1:
+            _fail("bucket_count", self.bucket_count, "must be >= 1")
+        if self.reduce_dtype not in ("fp32", "param"):
+            _fail("reduce_dtype", self.reduce_dtype, "must be fp32 or param")
+        if self.grad_accum_dtype not in ("fp32", "param"):
+            _fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
+        if self.alignment < 1 or self.alignment & (self.alignment - 1):
+            _fail("alignment", self.alignment, "must be a power of two")
+        if self.tensor_parallel_size < 1:
+            _fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        self.optimizer._validate("optimizer")
+        self.fp16._validate("fp16")
+        self.comm._validate("comm")
+        self.stage3._validate("stage3")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a JSON/TOML/CLI value to the annotated type or fail naming the key."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            _fail(key, value, f"expected a table of {tp.__name__} fields")
+        return _build(tp, value, key)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            _fail(key, value, f"expected {len(args)} values")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+        _fail(key, value, "expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            _fail(key, value, "expected an integer")
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else int(value, 0)
+            except ValueError:
+                _fail(key, value, "expected an integer")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            _fail(key, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            _fail(key, value, "expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            _fail(key, value, "expected a number")
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(key, value, "expected a string")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            _fail(key, v, f"unknown key (valid: {', '.join(sorted(names))})")
+        kwargs[k] = _coerce(key, v, hints[k])
+    return cls(**kwargs)
+
+
+def _to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        sub = d.setdefault(p, {})
+        if not isinstance(sub, dict):
+            _fail(dotted, value, f"'{p}' is not a table")
+        d = sub
+    d[parts[-1]] = value
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, str]:
+    """``["a.b=1", "--c.d", "2", "--e=3"]`` -> ``{"a.b": "1", "c.d": "2", "e": "3"}``."""
+    out: dict[str, str] = {}
+    i = 0
+    items = list(items)
+    while i < len(items):
+        tok = items[i]
+        name = tok[2:] if tok.startswith("--") else tok
+        if "=" in name:
+            k, v = name.split("=", 1)
+        elif tok.startswith("--") and i + 1 < len(items):
+            k, v = name, items[i + 1]
+            i += 1
+        else:
+            raise ValueError(f"override {tok!r}: expected key=value or --key value")
+        out[k.replace("-", "_")] = v
+        i += 1
+    return out
+
+
+def read_file(path: str | os.PathLike) -> dict:
+    """Read a JSON or TOML config file into a dict (error names the file)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"config file {path!r}: {e.strerror}") from None
+    try:
+        if path.endswith(".toml"):
+            return tomllib.loads(raw.decode())
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {path!r}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") from None
+
+
+def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
+         overrides: "Mapping[str, Any] | Sequence[str] | None" = None) -> ZeroConfig:
+    """Build a ZeroConfig from a config, dict or file path plus dotted overrides."""
+    if source is None:
+        data: dict = {}
+    elif isinstance(source, ZeroConfig):
+        data = _to_dict(source)
+    elif isinstance(source, Mapping):
+        data = json.loads(json.dumps(source, default=list))  # deep copy, tuples -> lists
+    else:
+        data = read_file(source)
+    if overrides:
+        if not isinstance(overrides, Mapping):
+            overrides = parse_overrides(overrides)
+        for k, v in overrides.items():
+            _set_dotted(data, k, v)
+    return _build(ZeroConfig, data)
+
+
+def to_dict(cfg: ZeroConfig) -> dict:
+    """Plain nested dict (for manifests and logs)."""
+    return _to_dict(cfg)

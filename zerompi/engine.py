@@ -1,0 +1,293 @@
+"""ZeroEngine: the object a training loop talks to (stages 0, 1 and 2).
+
+    engine = zerompi.initialize(model, {"stage": 2, "precision": "bf16"})
+    for x, y in batches:                      # one micro-batch per call
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()                         # updates on every GAS-th call
+
+Memory per rank (Psi = padded parameter elements, N = ranks, see docs/architecture.md):
+  params   full low-precision flat buffer (stages 0-2)     2 or 4 bytes x Psi
+  grads    stage 0/1: full flat buffer; stage 2: the shard
+  master   fp32 shard (bf16/fp16 only; in fp32 the parameter shard is the master)
+  moments  exp_avg + exp_avg_sq for the shard (stage 0: for everything)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import comm as comm_mod
+from . import config as config_mod
+from . import flat, runtime
+from .config import ZeroConfig
+from .grads import GradReducer
+from .optim import Segment, ShardedAdamW, build_groups
+from .partition import Chunk, FlatLayout
+from .precision import DTYPES, cast_inputs, make_scaler
+
+
+def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(model.named_parameters(remove_duplicate=True))
+
+
+class ZeroEngine:
+    def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
+                 comm: Any = None, param_groups: Sequence[dict] | None = None):
+        cfg = config_mod.load(config)
+        if cfg.stage == 3:
+            raise ValueError("config key 'stage' = 3: use zerompi.initialize, which builds the stage-3 engine")
+        world = runtime.init()
+        self.config = cfg
+        if comm is None:
+            grid = runtime.ProcessGrid.create(world, cfg.tensor_parallel_size)
+            comm = comm_mod.create(grid.dp, backend=cfg.comm.backend, reduce_scatter=cfg.comm.reduce_scatter)
+        self.comm = comm
+        self.module = model
+        self.rank, self.world = comm.rank, comm.size
+        self.dtype = DTYPES[cfg.precision]
+        self.mixed = self.dtype != torch.float32
+        runtime.seed_everything(cfg.seed, self.rank)
+
+        named = _unique_params(model)
+        if any(p.device.type != "cpu" for _, p in named):
+            raise ValueError("parameters must be on the CPU for the MPI backend (GPU path: comm.backend=nccl)")
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no parameters with requires_grad=True")
+        # Backward order: the last registered parameter usually gets its gradient first.
+        trainable.reverse()
+        self.param_names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]
+        groups, owner = build_groups(model, cfg.optimizer, param_groups)
+        self.param_groups = groups
+        group_of = [owner.get(id(p), 0) for p in self.params]
+
+        N = self.world
+        self.layout = layout = FlatLayout([p.numel() for p in self.params], N, cfg.bucket_size, cfg.alignment)
+        stage = cfg.stage
+        if stage == 0:  # plain DP: every rank "owns" every block
+            self.own = [Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)]
+        else:
+            self.own = layout.chunks(self.rank)
+        owned = sum(c.size for c in self.own)
+
+        # Identical start on every rank: rank 0's fp32 values are broadcast once.
+        full32 = flat.pack(self.params, layout, torch.float32)
+        comm.broadcast(full32, root=0)
+        self._sync_untracked(model, {id(p) for p in self.params})
+        if self.mixed:
+            self.flat_param = full32.to(self.dtype)
+            self.master = torch.empty(owned, dtype=torch.float32)
+            flat.gather_chunks(full32, self.own, self.master)
+        else:
+            self.flat_param, self.master = full32, None
+        del full32
+        flat.bind_params(self.params, self.flat_param, layout)
+
+        grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype
+        if stage in (0, 1):
+            self.flat_grad, self.grad_shard = torch.zeros(layout.total, dtype=grad_dtype), None
+        else:
+            self.flat_grad, self.grad_shard = None, torch.zeros(owned, dtype=grad_dtype)
+        self.exp_avg = torch.zeros(owned, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(owned, dtype=torch.float32)
+
+        segments = []
+        for ch in self.own:
+            for lo, hi, g in self._runs(ch, group_of):
+                a, b = ch.shard_lo + lo - ch.flat_lo, ch.shard_lo + hi - ch.flat_lo
+                master = self.master[a:b] if self.mixed else self.flat_param[lo:hi]
+                grad = self.grad_shard[a:b] if stage == 2 else self.flat_grad[lo:hi]
+                segments.append(Segment(master, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b], g,
+                                        self.flat_param[lo:hi] if self.mixed else None))
+        self.optimizer = ShardedAdamW(segments, groups)
+        self.scaler = make_scaler(cfg.precision, cfg.fp16)
+        reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
+        self.reducer = GradReducer(self.params, layout, comm, stage, self.own, self.flat_grad,
+                                   self.grad_shard, cfg.bucket_count, reduce_dtype)
+        self.micro_steps = 0      # engine.step() calls
+        self.global_steps = 0     # optimizer updates applied
+        self.skipped_steps = 0    # fp16 overflow skips
+        self.last_grad_norm: float | None = None
+        self._backward_pending = False
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _sync_untracked(self, model: nn.Module, tracked: set[int]) -> None:
+        """Broadcast frozen parameters and buffers from rank 0 and cast frozen ones."""
+        for p in model.parameters():
+            if id(p) not in tracked:
+                t = p.detach().float().contiguous()
+                self.comm.broadcast(t, root=0)
+                p.data = t.to(self.dtype)
+        for b in model.buffers():
+            if b.is_contiguous():
+                self.comm.broadcast(b, root=0)
+
+    def _runs(self, ch: Chunk, group_of: list[int]) -> list[tuple[int, int, int]]:
+        """Cut a chunk into maximal runs of one parameter group (padding joins a neighbour)."""
+        runs: list[list[int]] = []
+        for pc in self.layout.pieces(ch.flat_lo, ch.flat_hi):
+            g = group_of[pc.index]
+            if runs and runs[-1][2] == g:
+                continue
+            if runs:
+                runs[-1][1] = pc.flat_lo
+            runs.append([ch.flat_lo if not runs else pc.flat_lo, ch.flat_hi, g])
+        if not runs:
+            runs.append([ch.flat_lo, ch.flat_hi, 0])
+        return [tuple(r) for r in runs if r[0] < r[1]]
+
+    # ------------------------------------------------------------------ training API
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_boundary(self) -> bool:
+        """True when the current micro-step ends with an optimizer update."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def __call__(self, *args, **kwargs):
+        if self.mixed:
+            args, kwargs = cast_inputs(args, self.dtype), cast_inputs(kwargs, self.dtype)
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (the mean over this rank's micro-batch)."""
+        if self._backward_pending:
+            raise RuntimeError("engine.backward() called twice without engine.step() in between")
+        if loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        self._backward_pending = True
+        contributions = self.world * self.gradient_accumulation_steps
+        stage2 = self.config.stage == 2
+        self.reducer.begin(reduce=stage2 or self.is_boundary(), pre_scale=1.0 / contributions)
+        try:
+            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        finally:
+            # Always flush: a rank that raised must not leave collectives half issued
+            # (the abort hook then ends the job; no other rank waits on a missing bucket).
+            self.reducer.end()
+
+    def step(self) -> bool:
+        """Count one micro-step; at the accumulation boundary update. True if updated."""
+        if not self._backward_pending:
+            raise RuntimeError("engine.step() called without engine.backward() for this micro-batch")
+        self._backward_pending = False
+        boundary = self.is_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return False
+        scale = self.scaler.scale
+        sumsq = self._grad_sumsq()
+        overflow = not math.isfinite(sumsq)
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            self.last_grad_norm = float("inf")
+            self._zero_grads()
+            return False
+        norm = math.sqrt(sumsq) / scale
+        self.last_grad_norm = norm
+        coef = 1.0 / scale
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            # as torch.nn.utils.clip_grad_norm_: coefficient max/(norm+1e-6), clamped to 1
+            clip_coef = clip / (norm + 1e-6)
+            if clip_coef < 1.0:
+                coef = float(torch.tensor(clip_coef, dtype=torch.float32)) * coef
+        self.optimizer.step(grad_coef=coef)
+        self._all_gather_params()
+        self._zero_grads()
+        self.global_steps += 1
+        return True
+
+    def _grad_sumsq(self) -> float:
+        """Squared L2 norm of the (still loss-scaled) gradient over all ranks, float64."""
+        local = 0.0
+        for s in self.optimizer.segments:
+            local += float(torch.linalg.vector_norm(s.grad, dtype=torch.float64) ** 2)
+        if self.config.stage == 0:
+            return local  # every rank holds the whole reduced gradient
+        return self.comm.allreduce_scalars([local])[0]
+
+    def _all_gather_params(self) -> None:
+        if self.config.stage == 0:
+            return
+        handles = []
+        for ch in self.own:
+            s, e = self.layout.blocks[ch.block]
+            handles.append(self.comm.all_gather(self.flat_param[ch.flat_lo:ch.flat_hi],
+                                                self.flat_param[s:e], async_op=True))
+        for h in handles:
+            h.wait()
+
+    def _zero_grads(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+            self.reducer.attach_grads()
+        else:
+            self.grad_shard.zero_()
+            for p in self.params:
+                p.grad = None
+
+    # ------------------------------------------------------------------ introspection
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
+        (on every rank with all_ranks=True); an empty dict on the other ranks."""
+        if not self.mixed or self.config.stage == 0:
+            full = self.master if (self.mixed and self.config.stage == 0) else self.flat_param
+            full = full.float()
+        else:
+            gathered = torch.empty(self.world * self.layout.shard_size, dtype=torch.float32)
+            self.comm.all_gather(self.master, gathered)
+            full = flat.unshard(gathered.view(self.world, -1), self.layout)
+        if not (all_ranks or self.rank == 0):
+            return {}
+        index = {id(p): i for i, p in enumerate(self.params)}
+        out = {}
+        for name, p in _unique_params(self.module):
+            i = index.get(id(p))
+            if i is None:
+                out[name] = p.detach().float().clone()
+            else:
+                o, n = self.layout.offsets[i], self.layout.numels[i]
+                out[name] = full[o:o + n].view(p.shape).clone()
+        return out
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds, by category, plus comm buffers."""
+        rep = {
+            "params": flat.nbytes(self.flat_param),
+            "grads": flat.nbytes(self.flat_grad) + flat.nbytes(self.grad_shard),
+            "master": flat.nbytes(self.master),
+            "optimizer": flat.nbytes(self.exp_avg) + flat.nbytes(self.exp_avg_sq),
+            "buffers": self.reducer.buffer_bytes(),
+        }
+        # Gradients autograd holds outside our buffers right now (stage 2 between hooks).
+        rep["loose_grads"] = sum(flat.nbytes(p.grad) for p in self.params
+                                 if p.grad is not None and self.flat_grad is None)
+        rep["model_states"] = rep["params"] + rep["grads"] + rep["master"] + rep["optimizer"]
+        rep["numel"] = sum(self.layout.numels)
+        rep["padded_numel"] = self.layout.total
+        return rep
+
+    def comm_stats(self) -> dict:
+        return self.comm.stats()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.reset_stats()

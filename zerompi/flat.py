@@ -1,0 +1,51 @@
+"""Contiguous flat buffers and the per-parameter views into them.
+
+One allocation per kind of state (parameters, gradients, master, moments) keeps memory
+unfragmented and lets the collectives run on large contiguous ranges (ZeRO-R "MD").
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from .partition import Chunk, FlatLayout
+
+
+def pack(tensors: Sequence[torch.Tensor], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:
+    """A new flat buffer (padding zeroed) holding copies of `tensors` at their offsets."""
+    flat = torch.zeros(layout.total, dtype=dtype)
+    for t, o, n in zip(tensors, layout.offsets, layout.numels):
+        flat[o:o + n].copy_(t.detach().reshape(-1))
+    return flat
+
+
+def views(flat: torch.Tensor, layout: FlatLayout, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    return [flat[o:o + n].view(shape) for o, n, shape in zip(layout.offsets, layout.numels, shapes)]
+
+
+def bind_params(params: Sequence[nn.Parameter], flat: torch.Tensor, layout: FlatLayout) -> None:
+    """Make every parameter's storage a view of `flat` (its dtype becomes flat's)."""
+    for p, v in zip(params, views(flat, layout, [p.shape for p in params])):
+        p.data = v
+
+
+def gather_chunks(flat: torch.Tensor, chunks: Sequence[Chunk], shard: torch.Tensor) -> None:
+    """shard[chunk.shard_lo ...] = flat[chunk.flat_lo ...] for every chunk."""
+    for c in chunks:
+        shard[c.shard_lo:c.shard_lo + c.size].copy_(flat[c.flat_lo:c.flat_hi])
+
+
+def unshard(shards: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    """Full flat buffer from all ranks' shards stacked as (world, shard_size)."""
+    flat = torch.empty(layout.total, dtype=shards.dtype)
+    for k, (s, e) in enumerate(layout.blocks):
+        c = layout.chunk_size(k)
+        lo = k * (layout.block // layout.world)
+        flat[s:e].view(layout.world, c).copy_(shards[:, lo:lo + c])
+    return flat
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

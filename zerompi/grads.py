@@ -1,0 +1,160 @@
+"""Gradient reduction during backward through constant-size buckets.
+
+Each partition block is one bucket. As backward produces a parameter's gradient (a
+post-accumulate-grad hook), the parameter is marked ready; when every parameter of the
+next block is ready, the block is copied into a free fp32 bucket, pre-divided by the
+number of contributions, and reduced asynchronously while backward continues:
+reduce-scatter (stages 1-2: each rank receives only its chunk) or all-reduce (stage 0).
+
+Blocks are launched strictly in block order, so every rank issues the same collectives
+in the same order even when hooks fire in a different order or a parameter is unused
+on some rank (its block is flushed with zeros when backward ends). At most
+`bucket_count` buckets exist; when all are in flight the oldest is completed first.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from .partition import Chunk, FlatLayout
+
+
+@dataclass
+class _Slot:
+    bucket: torch.Tensor   # block-sized send buffer, in the reduction dtype
+    recv: torch.Tensor     # this rank's chunk of the result
+    scratch: torch.Tensor  # receive space for the ordered reduce-scatter
+
+
+class GradReducer:
+    """Reduces gradients of `params` laid out by `layout` over `comm`.
+
+    stage 0/1: gradients accumulate (across micro-steps) in the full `flat_grad`; the
+    reduction runs only in the boundary micro-step and writes back into `flat_grad`
+    (stage 0: whole block; stage 1: own chunk). stage 2: reduction every micro-step,
+    from the parameters' transient .grad into `grad_shard`, whose .grad are then freed.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, comm, stage: int,
+                 own: Sequence[Chunk], flat_grad: torch.Tensor | None,
+                 grad_shard: torch.Tensor | None, bucket_count: int, reduce_dtype: torch.dtype):
+        self.params, self.layout, self.comm, self.stage = list(params), layout, comm, stage
+        self.own = {c.block: c for c in own}
+        self.flat_grad, self.grad_shard = flat_grad, grad_shard
+        nb = len(layout.blocks)
+        self.block_params = [sorted({pc.index for pc in layout.pieces(s, e)}) for s, e in layout.blocks]
+        self.param_blocks = [layout.param_blocks(i) for i in range(len(self.params))]
+        self.grad_views = None
+        if flat_grad is not None:
+            self.grad_views = [flat_grad[o:o + n].view(p.shape)
+                               for p, o, n in zip(self.params, layout.offsets, layout.numels)]
+        B = layout.blocks[0][1] - layout.blocks[0][0]
+        c = B // layout.world
+        self.slots_free = [_Slot(torch.empty(B, dtype=reduce_dtype), torch.empty(c, dtype=reduce_dtype),
+                                 torch.empty(B if layout.world > 1 else 0, dtype=reduce_dtype))
+                           for _ in range(min(bucket_count, nb))]
+        self.inflight: deque = deque()
+        self.active = False
+        self.pre_scale = 1.0
+        self.remaining = [0] * nb
+        self.next_block = nb
+        self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                        for i, p in enumerate(self.params)]
+        self.attach_grads()
+
+    def buffer_bytes(self) -> int:
+        slots = self.slots_free + [s for _, _, s in self.inflight]
+        return sum(t.numel() * t.element_size() for s in slots for t in (s.bucket, s.recv, s.scratch))
+
+    def attach_grads(self) -> None:
+        """Stage 0/1 with param-dtype storage: autograd accumulates straight into flat_grad."""
+        if self.grad_views is not None and self.flat_grad.dtype == self.params[0].dtype:
+            for p, v in zip(self.params, self.grad_views):
+                p.grad = v
+
+    # ---------------------------------------------------------------- backward
+    def begin(self, reduce: bool, pre_scale: float) -> None:
+        """Called before loss.backward(): reduce in this backward or only accumulate."""
+        self.active, self.pre_scale = reduce, pre_scale
+        self.remaining = [len(b) for b in self.block_params]
+        self.next_block = 0 if reduce else len(self.remaining)
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self.grad_views is not None:
+                v = self.grad_views[i]
+                if p.grad is not v and p.grad is not None:
+                    # user replaced .grad (zero_grad(set_to_none), or fp32 storage): fold in
+                    v.add_(p.grad)
+                    p.grad = v if v.dtype == p.dtype else None
+            if not self.active:
+                return
+            for k in self.param_blocks[i]:
+                self.remaining[k] -= 1
+            for h, _, _ in self.inflight:
+                h.test()  # drive MPI progress of earlier buckets
+            self._launch_ready(final=False)
+        return hook
+
+    def end(self) -> None:
+        """Called after loss.backward(): flush blocks not launched yet, wait for all."""
+        if self.active:
+            self._launch_ready(final=True)
+            while self.inflight:
+                self._complete(self.inflight.popleft())
+        self.active = False
+
+    # ---------------------------------------------------------------- buckets
+    def _launch_ready(self, final: bool) -> None:
+        nb = len(self.remaining)
+        while self.next_block < nb and (final or self.remaining[self.next_block] <= 0):
+            self._launch(self.next_block)
+            self.next_block += 1
+
+    def _launch(self, k: int) -> None:
+        if not self.slots_free:
+            self._complete(self.inflight.popleft())
+        slot = self.slots_free.pop()
+        s, e = self.layout.blocks[k]
+        b = e - s
+        buf = slot.bucket[:b]
+        if self.stage == 2:
+            buf.zero_()
+            for pc in self.layout.pieces(s, e):
+                p = self.params[pc.index]
+                if p.grad is not None:
+                    buf[pc.flat_lo - s:pc.flat_hi - s].copy_(p.grad.reshape(-1)[pc.param_lo:pc.param_hi])
+                if self.param_blocks[pc.index][-1] == k:
+                    p.grad = None  # stage 2: the full gradient is dropped once reduced
+            buf.mul_(self.pre_scale)
+        else:
+            torch.mul(self.flat_grad[s:e], self.pre_scale, out=buf)
+        c = self.layout.chunk_size(k)
+        if self.stage == 0:
+            h = self.comm.all_reduce(buf, async_op=True)
+        else:
+            h = self.comm.reduce_scatter(buf, slot.recv[:c], async_op=True, scratch=slot.scratch)
+        self.inflight.append((h, k, slot))
+
+    def _complete(self, entry) -> None:
+        h, k, slot = entry
+        h.wait()
+        s, e = self.layout.blocks[k]
+        if self.stage == 0:
+            self.flat_grad[s:e].copy_(slot.bucket[:e - s])
+        else:
+            ch = self.own[k]
+            res = slot.recv[:ch.size]
+            if self.stage == 1:
+                self.flat_grad[ch.flat_lo:ch.flat_hi].copy_(res)
+            else:
+                self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res)
+        self.slots_free.append(slot)
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()

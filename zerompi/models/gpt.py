@@ -1,0 +1,187 @@
+"""GPT-2-style decoder-only transformer (pure torch, no distributed code).
+
+Pre-norm blocks, learned position embeddings, output head tied to the token
+embedding. Loss is always computed in fp32 so the model can be cast to
+bf16/fp16 wholesale.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "PRESETS", "GPT", "count_params"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT model."""
+
+    vocab_size: int
+    """Number of token ids (256 for byte-level data)."""
+    block_size: int
+    """Maximum context length; also the size of the position embedding."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int
+    """Residual stream width."""
+    dropout: float = 0.0
+    """Dropout probability (embeddings, attention, residual branches)."""
+    bias: bool = True
+    """Whether Linear and LayerNorm layers carry a bias."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} not divisible by n_head={self.n_head}")
+
+
+def count_params(cfg: GPTConfig, non_embedding: bool = False) -> int:
+    """Closed-form parameter count of ``GPT(cfg)`` (tied head counted once)."""
+    c, b = cfg.n_embd, int(cfg.bias)
+    ln = c * (1 + b)
+    block = (
+        2 * ln                      # ln_1, ln_2
+        + 3 * c * c + b * 3 * c     # qkv
+        + c * c + b * c             # attention output projection
+        + 4 * c * c + b * 4 * c     # mlp up
+        + 4 * c * c + b * c         # mlp down
+    )
+    n = cfg.vocab_size * c + cfg.block_size * c + cfg.n_layer * block + ln
+    return n - cfg.block_size * c if non_embedding else n
+
+
+# Parameter counts (count_params, tied head counted once) are checked by tests.
+PRESETS: dict[str, GPTConfig] = {
+    # 120,576 params: byte-level, for fast CPU tests.
+    "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
+    # 3,257,856 params: byte-level.
+    "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256),
+    # 19,177,472 params: byte-level.
+    "gpt-20m": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512),
+    # 202,852,352 params: byte-level.
+    "gpt-200m": GPTConfig(vocab_size=256, block_size=1024, n_layer=16, n_head=16, n_embd=1024),
+    # 124,475,904 params: GPT-2 small shape, vocab padded 50257 -> 50304.
+    "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    # 1,211,224,064 params: byte-level.
+    "gpt-1b": GPTConfig(vocab_size=256, block_size=1024, n_layer=24, n_head=16, n_embd=2048),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        # (B, T, C) -> (B, nh, T, hs)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2-style language model; ``lm_head.weight is wte.weight``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one Parameter object
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        # Fixed module order keeps init deterministic under torch.manual_seed.
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                if m is self.lm_head:
+                    continue  # tied to wte, initialised there
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        # GPT-2: scale residual-branch outputs so the stream's variance does not
+        # grow with depth (two residual additions per block).
+        std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for blk in self.h:
+            nn.init.normal_(blk.attn.c_proj.weight, mean=0.0, std=std)
+            nn.init.normal_(blk.mlp.c_proj.weight, mean=0.0, std=std)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """idx: (B, T) int64 with T <= block_size. Returns logits (B, T, V),
+        or ``(logits, loss)`` with the fp32 mean cross-entropy when targets given."""
+        _, t = idx.shape
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for blk in self.h:
+            x = blk(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        # fp32 softmax: bf16/fp16 logits lose too much precision over a large vocab.
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count, tied weight counted once. ``non_embedding`` drops
+        the position embedding (the token embedding doubles as the head)."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() dedups ties
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (fwd+bwd): 6N + 12*L*C*T, N non-embedding
+        params; the second term is attention score/value matmuls."""
+        c = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * c.block_size

@@ -1,0 +1,109 @@
+"""MPI start-up, whole-job abort on any rank's exception, seeding, process grid.
+
+Without an abort, an exception on one rank leaves the others blocked in a collective
+forever (and Python's exit blocks in MPI_Finalize). `install_abort_hook` makes any
+uncaught exception print that rank's traceback and call MPI_Abort, so `mpiexec`/`srun`
+end the whole job within a second, also when the user did not use `python -m mpi4py`.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_hook_installed = False
+
+
+def mpi():
+    """The mpi4py.MPI module (initialises MPI on first use)."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _abort_excepthook(exc_type, exc, tb) -> None:
+    MPI = sys.modules.get("mpi4py.MPI")
+    rank = ""
+    try:
+        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+            rank = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
+    except Exception:
+        pass
+    msg = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write("".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n")))
+    sys.stderr.flush()
+    if exc_type is KeyboardInterrupt:
+        code = 130
+    else:
+        code = 1
+    try:
+        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
+                and MPI.COMM_WORLD.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(code)
+    except Exception:
+        pass
+    os._exit(code)
+
+
+def install_abort_hook() -> None:
+    """Make an uncaught exception on any rank (or thread) abort the whole MPI job."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    sys.excepthook = _abort_excepthook
+    threading.excepthook = lambda a: _abort_excepthook(a.exc_type, a.exc_value, a.exc_traceback)
+
+
+def init() -> Any:
+    """Initialise MPI (idempotent), install the abort hook, return COMM_WORLD."""
+    install_abort_hook()
+    return mpi().COMM_WORLD
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Seed python, numpy and torch with seed + rank (dropout/data differ per rank;
+    model initialisation is made identical by a broadcast from rank 0, not by seeds)."""
+    import torch
+
+    s = (int(seed) + int(rank)) % (2**63)
+    random.seed(s)
+    np.random.seed(s % (2**32))
+    torch.manual_seed(s)
+
+
+def local_rank(comm) -> tuple[int, int]:
+    """(node-local rank, ranks on this node) from an MPI shared-memory split."""
+    MPI = mpi()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+@dataclass
+class ProcessGrid:
+    """mpi4py communicators arranged as dp x tp: tensor-parallel groups of consecutive ranks (they
+    share a node in practice), data parallelism across groups."""
+
+    world: Any
+    dp: Any
+    tp: Any
+
+    @classmethod
+    def create(cls, world: Any, tp_size: int = 1) -> "ProcessGrid":
+        n = world.Get_size()
+        if n % tp_size:
+            raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: "
+                             f"does not divide the world size {n}")
+        r = world.Get_rank()
+        tp = world.Split(r // tp_size, r)
+        dp = world.Split(r % tp_size, r)
+        return cls(world=world, dp=dp, tp=tp)
