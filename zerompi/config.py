@@ -285,6 +285,12 @@ def read_file(path: str | os.PathLike) -> dict:
         raise ValueError(f"config file {path!r}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") from None
 
 
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return list(obj)
+
+
 def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
          overrides: "Mapping[str, Any] | Sequence[str] | None" = None) -> ZeroConfig:
     """Build a ZeroConfig from a config, dict or file path plus dotted overrides."""
@@ -293,7 +299,8 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
     elif isinstance(source, ZeroConfig):
         data = _to_dict(source)
     elif isinstance(source, Mapping):
-        data = json.loads(json.dumps(source, default=list))  # deep copy, tuples -> lists
+        # deep copy, tuples -> lists; nested section configs (OptimizerConfig(...)) -> dicts
+        data = json.loads(json.dumps(source, default=_plain))
     else:
         data = read_file(source)
     if overrides:

@@ -66,6 +66,7 @@ class ZeroEngine:
         self.param_groups = groups
         group_of = [owner.get(id(p), 0) for p in self.params]
 
+        self._check_same_everywhere(cfg, trainable)
         N = self.world
         self.layout = layout = FlatLayout([p.numel() for p in self.params], N, cfg.bucket_size, cfg.alignment)
         stage = cfg.stage
@@ -96,15 +97,18 @@ class ZeroEngine:
         self.exp_avg = torch.zeros(owned, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(owned, dtype=torch.float32)
 
+        # One optimizer segment per owned piece of a parameter; padding is never updated.
         segments = []
         for ch in self.own:
-            for lo, hi, g in self._runs(ch, group_of):
+            for pc in layout.pieces(ch.flat_lo, ch.flat_hi):
+                lo, hi = pc.flat_lo, pc.flat_hi
                 a, b = ch.shard_lo + lo - ch.flat_lo, ch.shard_lo + hi - ch.flat_lo
                 master = self.master[a:b] if self.mixed else self.flat_param[lo:hi]
                 grad = self.grad_shard[a:b] if stage == 2 else self.flat_grad[lo:hi]
-                segments.append(Segment(master, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b], g,
+                segments.append(Segment(master, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                                        pc.index, group_of[pc.index],
                                         self.flat_param[lo:hi] if self.mixed else None))
-        self.optimizer = ShardedAdamW(segments, groups)
+        self.optimizer = ShardedAdamW(segments, groups, len(self.params))
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
         self.reducer = GradReducer(self.params, layout, comm, stage, self.own, self.flat_grad,
@@ -116,30 +120,36 @@ class ZeroEngine:
         self._backward_pending = False
 
     # ------------------------------------------------------------------ set-up helpers
+    def _check_same_everywhere(self, cfg: ZeroConfig, trainable) -> None:
+        """Ranks with different models or configs would issue mismatched collectives
+        (a hang or garbage); compare once at set-up and fail on every rank instead."""
+        mine = (config_mod.to_dict(cfg), [(n, tuple(p.shape)) for n, p in trainable])
+        everyone = self.comm.allgather_object(mine)
+        for r, theirs in enumerate(everyone):
+            if theirs[0] != everyone[0][0]:
+                diff = sorted(k for k in theirs[0] if theirs[0][k] != everyone[0][0].get(k))
+                raise ValueError(f"rank {r} has a different config than rank 0 (keys: {', '.join(diff)})")
+            if theirs[1] != everyone[0][1]:
+                first = next((a, b) for a, b in zip(theirs[1] + [None] * 9, everyone[0][1] + [None] * 9) if a != b)
+                raise ValueError(f"rank {r} has a different model than rank 0: parameter {first[0]} vs {first[1]}")
+
     def _sync_untracked(self, model: nn.Module, tracked: set[int]) -> None:
-        """Broadcast frozen parameters and buffers from rank 0 and cast frozen ones."""
+        """Broadcast frozen parameters and buffers from rank 0; cast floating ones to the
+        compute dtype, as module.to(dtype) would (DeepSpeed does the same)."""
         for p in model.parameters():
             if id(p) not in tracked:
                 t = p.detach().float().contiguous()
                 self.comm.broadcast(t, root=0)
                 p.data = t.to(self.dtype)
-        for b in model.buffers():
-            if b.is_contiguous():
-                self.comm.broadcast(b, root=0)
-
-    def _runs(self, ch: Chunk, group_of: list[int]) -> list[tuple[int, int, int]]:
-        """Cut a chunk into maximal runs of one parameter group (padding joins a neighbour)."""
-        runs: list[list[int]] = []
-        for pc in self.layout.pieces(ch.flat_lo, ch.flat_hi):
-            g = group_of[pc.index]
-            if runs and runs[-1][2] == g:
-                continue
-            if runs:
-                runs[-1][1] = pc.flat_lo
-            runs.append([ch.flat_lo if not runs else pc.flat_lo, ch.flat_hi, g])
-        if not runs:
-            runs.append([ch.flat_lo, ch.flat_hi, 0])
-        return [tuple(r) for r in runs if r[0] < r[1]]
+        for mod in model.modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is None:
+                    continue
+                t = b.detach().contiguous()
+                self.comm.broadcast(t, root=0)
+                if t.is_floating_point():
+                    t = t.to(self.dtype)
+                b.data = t
 
     # ------------------------------------------------------------------ training API
     @property
@@ -193,7 +203,7 @@ class ZeroEngine:
         if not boundary:
             return False
         scale = self.scaler.scale
-        sumsq = self._grad_sumsq()
+        sumsq, used = self._grad_stats()
         overflow = not math.isfinite(sumsq)
         self.scaler.update(overflow)
         if overflow:
@@ -210,20 +220,22 @@ class ZeroEngine:
             clip_coef = clip / (norm + 1e-6)
             if clip_coef < 1.0:
                 coef = float(torch.tensor(clip_coef, dtype=torch.float32)) * coef
-        self.optimizer.step(grad_coef=coef)
+        self.optimizer.step(grad_coef=coef, used=used)
         self._all_gather_params()
         self._zero_grads()
         self.global_steps += 1
         return True
 
-    def _grad_sumsq(self) -> float:
-        """Squared L2 norm of the (still loss-scaled) gradient over all ranks, float64."""
+    def _grad_stats(self) -> tuple[float, list[bool]]:
+        """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
+        and which parameters got a gradient on any rank: one small all-reduce."""
         local = 0.0
         for s in self.optimizer.segments:
             local += float(torch.linalg.vector_norm(s.grad, dtype=torch.float64) ** 2)
         if self.config.stage == 0:
-            return local  # every rank holds the whole reduced gradient
-        return self.comm.allreduce_scalars([local])[0]
+            local /= self.world  # every rank holds the whole reduced gradient
+        vals = self.comm.allreduce_scalars([local] + self.reducer.used)
+        return vals[0], [v > 0 for v in vals[1:]]
 
     def _all_gather_params(self) -> None:
         if self.config.stage == 0:
@@ -237,6 +249,7 @@ class ZeroEngine:
             h.wait()
 
     def _zero_grads(self) -> None:
+        self.reducer.used = [0.0] * len(self.params)
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             self.reducer.attach_grads()
@@ -268,6 +281,25 @@ class ZeroEngine:
                 o, n = self.layout.offsets[i], self.layout.numels[i]
                 out[name] = full[o:o + n].view(p.shape).clone()
         return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The reduced, unscaled fp32 gradient of the global batch, keyed by parameter
+        name, on every rank. Valid after the boundary micro-step's backward and before
+        step() (for debugging and tests; it materialises the whole gradient)."""
+        if self.config.stage == 0:
+            full = self.flat_grad.float()
+        else:
+            if self.grad_shard is not None:
+                shard = self.grad_shard.float()
+            else:
+                shard = torch.empty(self.layout.shard_size, dtype=torch.float32)
+                flat.gather_chunks(self.flat_grad.float(), self.own, shard)
+            gathered = torch.empty(self.world * self.layout.shard_size, dtype=torch.float32)
+            self.comm.all_gather(shard, gathered)
+            full = flat.unshard(gathered.view(self.world, -1), self.layout)
+        full = full / self.scaler.scale
+        return {n: full[o:o + k].view(p.shape).clone() for n, p, o, k in
+                zip(self.param_names, self.params, self.layout.offsets, self.layout.numels)}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model states this rank holds, by category, plus comm buffers."""

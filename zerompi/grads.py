@@ -59,6 +59,7 @@ class GradReducer:
                            for _ in range(min(bucket_count, nb))]
         self.inflight: deque = deque()
         self.active = False
+        self.used = [0.0] * len(self.params)  # got a gradient since the last step()
         self.pre_scale = 1.0
         self.remaining = [0] * nb
         self.next_block = nb
@@ -85,6 +86,7 @@ class GradReducer:
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
+            self.used[i] = 1.0
             if self.grad_views is not None:
                 v = self.grad_views[i]
                 if p.grad is not v and p.grad is not None:

@@ -26,6 +26,7 @@ class Segment:
     grad: torch.Tensor       # stored gradient (any float dtype, possibly scaled)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    param: int               # index of the parameter this piece belongs to
     group: int
     lowp: torch.Tensor | None = None  # low-precision copy to refresh (bf16/fp16 runs)
 
@@ -69,22 +70,29 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class ShardedAdamW:
-    """AdamW on the segments of this rank's shard. `param_groups` is mutable (LR schedules)."""
+    """AdamW on the segments of this rank's shard. `param_groups` is mutable (LR schedules).
 
-    def __init__(self, segments: Iterable[Segment], param_groups: list[dict]):
+    As torch.optim.AdamW, a parameter that got no gradient in a step (on any rank) is
+    left alone: no weight decay, no moment decay, and its own step count (which drives
+    bias correction) does not advance."""
+
+    def __init__(self, segments: Iterable[Segment], param_groups: list[dict], num_params: int):
         self.segments = list(segments)
         self.param_groups = param_groups
-        self.steps = [0] * len(param_groups)
+        self.steps = [0] * num_params
 
-    def step(self, grad_coef: float = 1.0) -> None:
-        """One update; gradients are multiplied by `grad_coef` (unscale x clip) first."""
-        touched = {s.group for s in self.segments}
-        for gi in touched:
-            self.steps[gi] += 1
+    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
+        """One update; gradients are multiplied by `grad_coef` (unscale x clip) first;
+        parameters with used[i] False are skipped."""
+        for i in range(len(self.steps)):
+            if used is None or used[i]:
+                self.steps[i] += 1
         for s in self.segments:
+            if used is not None and not used[s.param]:
+                continue
             hp = self.param_groups[s.group]
             lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
-            step = self.steps[s.group]
+            step = self.steps[s.param]
             g = s.grad
             if grad_coef != 1.0 or g.dtype != torch.float32:
                 g = g.float().mul_(grad_coef) if g.dtype != torch.float32 else g.mul(grad_coef)

@@ -1,0 +1,59 @@
+"""Run a worker script on N MPI ranks from a single-process pytest.
+
+A rank that fails makes mpiexec exit non-zero (the worker runs under `python -m mpi4py`
+or zerompi's abort hook); a deadlock becomes a timeout, after which the whole process
+group is killed, so one broken test never hangs the suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "workers"
+
+
+def mpi_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo",  # keep traffic on loopback
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    })
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = None,
+            module: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    """`mpiexec -n N python -m mpi4py ARGV`; kills the process group on timeout."""
+    cmd = ["mpiexec", "-n", str(n), sys.executable] + (["-m", "mpi4py"] if module else []) + argv
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=mpi_env(env), start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"timeout after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+    res = subprocess.CompletedProcess(cmd, p.returncode, out, None)
+    res.elapsed = time.monotonic() - t0
+    if check and p.returncode != 0:
+        pytest.fail(f"exit {p.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
+    return res
+
+
+def run_worker(n: int, name: str, args: list[str], tmp_path: Path, timeout: float = 180, **kw) -> dict:
+    """Run tests/workers/NAME.py on n ranks; it writes its JSON result to --out."""
+    out = tmp_path / f"{name}-n{n}-{abs(hash(tuple(args))) % 10**8}.json"
+    run_mpi(n, [str(WORKERS / f"{name}.py"), "--out", str(out)] + args, timeout=timeout, **kw)
+    return json.loads(out.read_text())

@@ -1,0 +1,48 @@
+"""memory_report() and comm_stats() against the ZeRO paper's numbers (DESIGN.md section 1).
+
+Memory: with T the padded parameter count (T - Psi < N * alignment), model-state bytes
+per rank must equal the formula evaluated at T exactly; communication buffers are a
+constant (bucket_count buckets, independent of the model). Traffic per step (GAS = 1):
+stage 0 all-reduces 2T; stages 1-2 reduce-scatter T and all-gather T and all-reduce
+nothing but the step's scalars (norm and per-parameter 'used' flags)."""
+import pytest
+
+from mpirun import run_worker
+
+
+def expected(stage: int, precision: str, gdt: str, T: int, N: int) -> int:
+    p = 4 if precision == "fp32" else 2       # working parameters
+    g = 4 if (gdt == "fp32" or precision == "fp32") else 2
+    k = 8 if precision == "fp32" else 12      # fp32: moments; mixed: + fp32 master
+    if stage == 0:
+        return p * T + g * T + k * T
+    if stage == 1:
+        return p * T + g * T + k * T // N
+    return p * T + g * T // N + k * T // N
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_memory_and_traffic(n, tmp_path):
+    r = run_worker(n, "accounting", ["--bucket", "4096"], tmp_path)
+    B = 4096
+    for c in r["cases"]:
+        stage, prec, gdt, gas = c["stage"], c["precision"], c["grad_accum_dtype"], c["gas"]
+        m, comm = c["mem"], c["comm"]
+        T, psi = m["padded_numel"], m["numel"]
+        tag = (stage, prec, gdt, gas, n)
+        assert 0 <= T - psi < n * 16, tag
+        assert m["model_states"] == expected(stage, prec, gdt, T, n), (tag, m)
+        assert m["master"] == (0 if prec == "fp32" else 4 * T // (1 if stage == 0 else n)), (tag, m)
+        # one set of constant-size buckets: send + chunk + alltoall receive space
+        assert 0 < m["buffers"] <= 2 * (B + B // n + B) * 4, (tag, m)
+        assert c["updated"], tag
+        if stage == 2:
+            assert c["loose_grad_params"] == 0, tag  # no full gradient survives a step
+        scalars = 2 * (1 + c["num_params"])
+        if stage == 0:
+            assert comm["all_reduce"]["elements"] == 2 * T * (1 if n > 1 else 1) + scalars, (tag, comm)
+            assert "reduce_scatter" not in comm and "all_gather" not in comm, tag
+        else:
+            assert comm["reduce_scatter"]["elements"] == (gas if stage == 2 else 1) * T, (tag, comm)
+            assert comm["all_gather"]["elements"] == T, (tag, comm)
+            assert comm["all_reduce"]["elements"] == scalars, (tag, comm)  # no gradient all-reduce

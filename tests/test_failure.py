@@ -1,0 +1,30 @@
+"""One failing rank ends the whole job quickly with its message; bad input never hangs.
+Workers run as plain `python fail.py` (no `-m mpi4py`): zerompi's hook must abort."""
+import pytest
+
+from mpirun import WORKERS, run_mpi
+
+
+def _run(n, mode):
+    r = run_mpi(n, [str(WORKERS / "fail.py"), mode], timeout=60, module=False, check=False)
+    assert r.returncode != 0, r.stdout[-3000:]
+    return r
+
+
+def test_one_rank_raising_aborts_everyone_fast():
+    r = _run(3, "raise")
+    assert "rank one exploded on purpose" in r.stdout
+    assert "[rank 1]" in r.stdout  # the traceback names the failing rank
+    assert r.elapsed < 10, r.elapsed
+
+
+@pytest.mark.parametrize("mode,needle", [
+    ("bad-config", "config key 'optimizer.lr' = -1.0"),
+    ("bad-config-one-rank", "config key 'gradient_clipping' = 'lots'"),
+    ("different-config", "rank 1 has a different config than rank 0 (keys: stage)"),
+    ("different-model", "rank 2 has a different model than rank 0"),
+])
+def test_bad_input_gives_clear_error_without_hanging(mode, needle):
+    r = _run(3, mode)
+    assert needle in r.stdout, r.stdout[-3000:]
+    assert r.elapsed < 10, r.elapsed

@@ -1,0 +1,91 @@
+"""Shared pieces of the MPI test workers: test models, batches, the reference run."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+torch.set_num_threads(1)
+
+
+class Odd(nn.Module):
+    """Every shape users bring to stages 0-2: nested modules, odd sizes (not divisible by
+    N), a frozen layer, a buffer, a root-level parameter, a scalar parameter, a parameter
+    unused in the forward, and an embedding tied to the output projection."""
+
+    def __init__(self, vocab: int = 37, dim: int = 13):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))             # root-level scalar
+        self.emb = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, 29), nn.GELU(),
+                                  nn.Sequential(nn.Linear(29, dim), nn.LayerNorm(dim)))
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 5)                             # never called
+        self.bias = nn.Parameter(torch.zeros(vocab))              # root-level vector
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight                        # tied
+        self.register_buffer("mask", torch.ones(dim))
+
+    def forward(self, idx, targets=None):
+        h = self.emb(idx)
+        h = h + self.body(h) * self.scale
+        h = h + 0.1 * self.frozen(h) * self.mask
+        logits = self.head(h).float() + self.bias.float()
+        if targets is None:
+            return logits
+        return logits, nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "odd":
+        return Odd()
+    from zerompi.models.gpt import GPT, PRESETS
+
+    return GPT(PRESETS["tiny"])
+
+
+def vocab_of(model: nn.Module) -> int:
+    return model.emb.num_embeddings if hasattr(model, "emb") else model.config.vocab_size
+
+
+def global_batch(step: int, rows: int, seq: int, vocab: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, vocab, (rows, seq), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def micro_slices(rows: int, gas: int, rank: int, world: int) -> list[slice]:
+    """Rows of micro-batch m for `rank`: the step's batch is cut into gas micro-batches,
+    each split evenly across ranks (rows chosen divisible by gas * world)."""
+    mb = rows // gas
+    per = mb // world
+    return [slice(m * mb + rank * per, m * mb + (rank + 1) * per) for m in range(gas)]
+
+
+def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, clip: float,
+                  micro: int = 1, wd: float = 0.01, groups: bool = False):
+    """Single-process torch.optim.AdamW on the whole global batch; `micro` > 1 sums
+    the same batch in that many pieces (same maths, other rounding: the noise floor)."""
+    from zerompi.optim import decay_groups
+
+    params = decay_groups(model, 0.1) if groups else [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
+    losses, norms, grads0 = [], [], None
+    for step in range(steps):
+        x, y = global_batch(step, rows, seq, vocab_of(model))
+        opt.zero_grad()
+        total = 0.0
+        for m in range(micro):
+            sl = slice(m * rows // micro, (m + 1) * rows // micro)
+            _, loss = model(x[sl], y[sl])
+            (loss / micro).backward()
+            total += loss.item() / micro
+        params = [p for p in model.parameters() if p.requires_grad]
+        if step == 0:
+            grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norms.append(float(norm))
+        opt.step()
+        losses.append(total)
+    return losses, norms, grads0

@@ -1,0 +1,77 @@
+"""Parity worker: stages x (one precision) against single-process torch AdamW.
+
+Writes (rank 0) per stage: max |param - reference|, per-step losses and gradient norms,
+the max relative error of the first step's reduced gradient, plus the noise floor (the
+reference computed in another summation order)."""
+import argparse
+import json
+
+import torch
+from mpi4py import MPI
+
+import zerompi
+from zerompi.optim import decay_groups
+from common import global_batch, make_model, micro_slices, reference_run, vocab_of
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--stages", default="0,1,2")
+ap.add_argument("--precision", default="fp32")
+ap.add_argument("--model", default="odd")
+ap.add_argument("--steps", type=int, default=10)
+ap.add_argument("--gas", type=int, default=2)
+ap.add_argument("--rows", type=int, default=24)
+ap.add_argument("--seq", type=int, default=16)
+ap.add_argument("--lr", type=float, default=1e-3)
+ap.add_argument("--clip", type=float, default=1.0)
+ap.add_argument("--bucket", type=int, default=300)
+ap.add_argument("--groups", action="store_true", help="decay matrices only (two param groups)")
+a = ap.parse_args()
+
+world = MPI.COMM_WORLD
+rank, N = world.rank, world.size
+result = {"world": N}
+if rank == 0:
+    ref = make_model(a.model)
+    losses, norms, grads0 = reference_run(ref, a.steps, a.rows, a.seq, a.lr, a.clip, groups=a.groups)
+    floor_model = make_model(a.model)
+    _, _, _ = reference_run(floor_model, a.steps, a.rows, a.seq, a.lr, a.clip, micro=a.gas * N, groups=a.groups)
+    refp = dict(ref.named_parameters())
+    result["ref_losses"], result["ref_norms"] = losses, norms
+    result["floor"] = max((p - refp[n]).abs().max().item() for n, p in floor_model.named_parameters())
+
+for stage in [int(s) for s in a.stages.split(",")]:
+    model = make_model(a.model)
+    engine = zerompi.initialize(model, {
+        "stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
+        "gradient_clipping": a.clip, "bucket_size": a.bucket,
+        "optimizer": {"lr": a.lr, "weight_decay": 0.01}},
+        param_groups=decay_groups(model, 0.1) if a.groups else None)
+    losses, norms, grad_err = [], [], None
+    for step in range(a.steps):
+        x, y = global_batch(step, a.rows, a.seq, vocab_of(model))
+        tot = 0.0
+        for sl in micro_slices(a.rows, a.gas, rank, N):
+            _, loss = engine(x[sl], y[sl])
+            engine.backward(loss)
+            tot += loss.item()
+            if step == 0 and engine.micro_steps == a.gas - 1:
+                full = engine.full_grads()
+                if rank == 0:
+                    grad_err = max(((full[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
+                                   for n, g in grads0.items())
+            engine.step()
+        losses.append(world.allreduce(tot, op=MPI.SUM) / (N * a.gas))
+        norms.append(engine.last_grad_norm)
+    sd = engine.full_state_dict()
+    if rank == 0:
+        refp = dict(ref.named_parameters())
+        assert sd.keys() == dict(ref.named_parameters()).keys(), (sd.keys(), refp.keys())
+        result[f"stage{stage}"] = {
+            "max_diff": max((sd[n] - p.detach()).abs().max().item() for n, p in refp.items()),
+            "losses": losses, "norms": norms, "grad_rel_err": grad_err,
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        }
+if rank == 0:
+    with open(a.out, "w") as f:
+        json.dump(result, f)
