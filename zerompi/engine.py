@@ -106,7 +106,7 @@ class ZeroEngine:
                 master = self.master[a:b] if self.mixed else self.flat_param[lo:hi]
                 grad = self.grad_shard[a:b] if stage == 2 else self.flat_grad[lo:hi]
                 segments.append(Segment(master, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                                        pc.index, group_of[pc.index],
+                                        pc.index, pc.param_lo, group_of[pc.index],
                                         self.flat_param[lo:hi] if self.mixed else None))
         self.optimizer = ShardedAdamW(segments, groups, len(self.params))
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
@@ -281,6 +281,70 @@ class ZeroEngine:
                 o, n = self.layout.offsets[i], self.layout.numels[i]
                 out[name] = full[o:o + n].view(p.shape).clone()
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None):
+        """Atomic HDF5-sharded checkpoint (see zerompi/checkpoint); returns its path."""
+        from . import checkpoint
+
+        return checkpoint.save(self, directory, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, directory, tag: str | None = None) -> dict | None:
+        """Load the checkpoint `tag` (default: the 'latest' pointer) saved at any world
+        size or stage; returns its client_state, or None when none exists."""
+        from . import checkpoint
+
+        return checkpoint.load(self, directory, tag=tag)
+
+    # ------------------------------------------------------------------ state for checkpoints
+    STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+    def export_state(self) -> dict:
+        """This rank's share of the training state, by parameter name and element range.
+
+        Returns {"pieces": [(name, shape, lo, hi)], "tensors": {kind: fp32 vector}} where
+        piece j's values are tensors[kind][off_j : off_j + hi - lo] (offsets cumulative),
+        plus "steps" {name: AdamW step}, "param_groups", "scaler", "counters". Each
+        element is exported by exactly one rank (stage 0: rank 0 holds and writes all)."""
+        segs = self.optimizer.segments if (self.config.stage > 0 or self.rank == 0) else []
+        pieces = [(self.param_names[s.param], tuple(self.params[s.param].shape), s.param_lo,
+                   s.param_lo + s.master.numel()) for s in segs]
+        tensors = {}
+        for kind in self.STATE_KINDS:
+            parts = [getattr(s, "master" if kind == "param" else kind).float() for s in segs]
+            tensors[kind] = torch.cat(parts) if parts else torch.empty(0)
+        return {"pieces": pieces, "tensors": tensors,
+                "steps": {n: self.optimizer.steps[i] for i, n in enumerate(self.param_names)},
+                "param_groups": self.optimizer.state_dict()["param_groups"],
+                "scaler": self.scaler.state_dict(),
+                "counters": {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                             "skipped_steps": self.skipped_steps}}
+
+    def needed_pieces(self) -> list[tuple[str, tuple, int, int]]:
+        """(name, shape, lo, hi) of every parameter range this rank must load."""
+        return [(self.param_names[s.param], tuple(self.params[s.param].shape), s.param_lo,
+                 s.param_lo + s.master.numel()) for s in self.optimizer.segments]
+
+    def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
+        """Load state saved by export_state (any world size or stage): fetch(kind, name,
+        lo, hi) returns the fp32 values of that range. Then refreshes every rank's
+        working parameters from the owners' masters."""
+        if self._backward_pending:
+            raise RuntimeError("load the checkpoint between steps, not after backward()")
+        for s in self.optimizer.segments:
+            name, hi = self.param_names[s.param], s.param_lo + s.master.numel()
+            for kind in self.STATE_KINDS:
+                getattr(s, "master" if kind == "param" else kind).copy_(fetch(kind, name, s.param_lo, hi))
+            if s.lowp is not None:
+                s.lowp.copy_(s.master)
+        self.optimizer.steps = [int(steps[n]) for n in self.param_names]
+        self.optimizer.load_state_dict({"steps": self.optimizer.steps, "param_groups": param_groups})
+        self.scaler.load_state_dict(scaler)
+        self.global_steps = int(counters["global_steps"])
+        self.micro_steps = int(counters["micro_steps"])
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self._all_gather_params()
+        self._zero_grads()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The reduced, unscaled fp32 gradient of the global batch, keyed by parameter

@@ -27,6 +27,7 @@ class Segment:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     param: int               # index of the parameter this piece belongs to
+    param_lo: int            # first element of that parameter held here
     group: int
     lowp: torch.Tensor | None = None  # low-precision copy to refresh (bf16/fp16 runs)
 
