@@ -42,7 +42,7 @@ def unshard(shards: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
     flat = torch.empty(layout.total, dtype=shards.dtype)
     for k, (s, e) in enumerate(layout.blocks):
         c = layout.chunk_size(k)
-        lo = k * (layout.block // layout.world)
+        lo = layout.block_shard_lo[k]
         flat[s:e].view(layout.world, c).copy_(shards[:, lo:lo + c])
     return flat
 

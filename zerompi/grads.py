@@ -6,10 +6,14 @@ next block is ready, the block is copied into a free fp32 bucket, pre-divided by
 number of contributions, and reduced asynchronously while backward continues:
 reduce-scatter (stages 1-2: each rank receives only its chunk) or all-reduce (stage 0).
 
-Blocks are launched strictly in block order, so every rank issues the same collectives
-in the same order even when hooks fire in a different order or a parameter is unused
-on some rank (its block is flushed with zeros when backward ends). At most
-`bucket_count` buckets exist; when all are in flight the oldest is completed first.
+Blocks are launched strictly in one agreed order, so every rank issues the same
+collectives in the same order even when hooks fire in a different order or a parameter
+is unused on some rank (its block is flushed with zeros when backward ends). The order
+is block order in the first reducing backward; the order in which blocks actually
+became complete there is then recorded, rank 0's version is adopted by all ranks, and
+used from then on (so a module unused in every step no longer holds back the buckets
+behind it). At most `bucket_count` buckets exist; when all are in flight the oldest is
+completed first.
 """
 from __future__ import annotations
 
@@ -62,7 +66,11 @@ class GradReducer:
         self.used = [0.0] * len(self.params)  # got a gradient since the last step()
         self.pre_scale = 1.0
         self.remaining = [0] * nb
-        self.next_block = nb
+        self.order = list(range(nb))
+        self.pos = nb                    # next position in self.order to launch
+        self.recorded = False            # launch order learnt from a real backward yet?
+        self.completed: list[int] = []   # blocks in the order they became complete
+        self.blocks_left = [0] * len(self.params)
         self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                         for i, p in enumerate(self.params)]
         self.attach_grads()
@@ -82,7 +90,9 @@ class GradReducer:
         """Called before loss.backward(): reduce in this backward or only accumulate."""
         self.active, self.pre_scale = reduce, pre_scale
         self.remaining = [len(b) for b in self.block_params]
-        self.next_block = 0 if reduce else len(self.remaining)
+        self.blocks_left = [len(b) for b in self.param_blocks]
+        self.completed = []
+        self.pos = 0 if reduce else len(self.remaining)
 
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -97,6 +107,8 @@ class GradReducer:
                 return
             for k in self.param_blocks[i]:
                 self.remaining[k] -= 1
+                if self.remaining[k] == 0:
+                    self.completed.append(k)
             for h, _, _ in self.inflight:
                 h.test()  # drive MPI progress of earlier buckets
             self._launch_ready(final=False)
@@ -108,14 +120,19 @@ class GradReducer:
             self._launch_ready(final=True)
             while self.inflight:
                 self._complete(self.inflight.popleft())
+            if not self.recorded:
+                done = set(self.completed)
+                order = self.completed + [k for k in range(len(self.remaining)) if k not in done]
+                self.order = self.comm.bcast_object(order, root=0)
+                self.recorded = True
         self.active = False
 
     # ---------------------------------------------------------------- buckets
     def _launch_ready(self, final: bool) -> None:
         nb = len(self.remaining)
-        while self.next_block < nb and (final or self.remaining[self.next_block] <= 0):
-            self._launch(self.next_block)
-            self.next_block += 1
+        while self.pos < nb and (final or self.remaining[self.order[self.pos]] <= 0):
+            self._launch(self.order[self.pos])
+            self.pos += 1
 
     def _launch(self, k: int) -> None:
         if not self.slots_free:
@@ -130,7 +147,8 @@ class GradReducer:
                 p = self.params[pc.index]
                 if p.grad is not None:
                     buf[pc.flat_lo - s:pc.flat_hi - s].copy_(p.grad.reshape(-1)[pc.param_lo:pc.param_hi])
-                if self.param_blocks[pc.index][-1] == k:
+                self.blocks_left[pc.index] -= 1
+                if self.blocks_left[pc.index] == 0:
                     p.grad = None  # stage 2: the full gradient is dropped once reduced
             buf.mul_(self.pre_scale)
         else:

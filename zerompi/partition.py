@@ -18,6 +18,7 @@ elements, at the end.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,28 +60,60 @@ class Chunk:
 
 
 class FlatLayout:
-    """Flat layout of `numels` over `world` ranks in blocks of about `block` elements."""
+    """Flat layout of `numels` over `world` ranks in blocks of about `block` elements.
 
-    def __init__(self, numels: Sequence[int], world: int, block: int, align: int = 1):
+    `units` (optional) groups consecutive parameters (counts per unit, summing to
+    len(numels)); each unit starts on a block boundary so it can be gathered alone
+    (stage 3 gathers one module's parameters at a time). Default: one unit."""
+
+    def __init__(self, numels: Sequence[int], world: int, block: int, align: int = 1,
+                 units: Sequence[int] | None = None):
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         if align < 1:
             raise ValueError(f"alignment must be >= 1, got {align}")
         if any(n < 0 for n in numels):
             raise ValueError("parameter sizes must be >= 0")
+        units = [len(numels)] if units is None else [int(u) for u in units]
+        if sum(units) != len(numels) or any(u < 0 for u in units):
+            raise ValueError(f"units {units} do not partition {len(numels)} parameters")
         self.numels = [int(n) for n in numels]
         self.world, self.align = int(world), int(align)
-        offsets, pos = [], 0
-        for n in self.numels:
-            pos = round_up(pos, align)
-            offsets.append(pos)
-            pos += n
-        self.offsets = offsets
-        self.used = pos
         unit = self.world * self.align
-        self.total = max(round_up(pos, unit), unit)  # at least one (padding-only) block
-        self.block = min(max(round_up(int(block), unit), unit), self.total)
-        self.blocks = [(s, min(s + self.block, self.total)) for s in range(0, self.total, self.block)]
+        offsets, pos, i, spans = [], 0, 0, []
+        for count in units:
+            start = pos
+            for _ in range(count):
+                pos = round_up(pos, align)
+                offsets.append(pos)
+                pos += self.numels[i]
+                i += 1
+            pos = round_up(pos, unit)
+            spans.append((start, pos))
+        self.offsets = offsets
+        self.used = max((o + n for o, n in zip(offsets, self.numels)), default=0)
+        self.total = max(pos, unit)  # at least one (padding-only) block
+        if pos == 0:  # nothing but empty parameters: one padding block
+            spans = [(0, unit)] + spans[1:] if spans else [(0, unit)]
+        largest = max(e - s for s, e in spans)
+        self.block = min(max(round_up(int(block), unit), unit), largest)
+        self.blocks: list[tuple[int, int]] = []
+        self.unit_blocks: list[range] = []  # block indices of each unit
+        for s, e in spans:
+            first = len(self.blocks)
+            self.blocks += [(b, min(b + self.block, e)) for b in range(s, e, self.block)]
+            self.unit_blocks.append(range(first, len(self.blocks)))
+        self.unit_spans = spans
+        self.unit_params: list[range] = []
+        i = 0
+        for count in units:
+            self.unit_params.append(range(i, i + count))
+            i += count
+        self._starts = [s for s, _ in self.blocks]
+        self.block_shard_lo, acc = [], 0
+        for s, e in self.blocks:
+            self.block_shard_lo.append(acc)
+            acc += (e - s) // self.world
         self.shard_size = self.total // self.world
 
     @property
@@ -96,24 +129,25 @@ class FlatLayout:
         """The chunks `rank` owns, in shard order (their concatenation is its shard)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside world of {self.world}")
-        out, shard = [], 0
+        out = []
         for k, (s, _) in enumerate(self.blocks):
             c = self.chunk_size(k)
-            out.append(Chunk(k, s + rank * c, s + (rank + 1) * c, shard))
-            shard += c
+            out.append(Chunk(k, s + rank * c, s + (rank + 1) * c, self.block_shard_lo[k]))
         return out
+
+    def block_of(self, flat_index: int) -> int:
+        return bisect.bisect_right(self._starts, flat_index) - 1
 
     def owner(self, flat_index: int) -> int:
         if not 0 <= flat_index < self.total:
             raise ValueError(f"flat index {flat_index} outside [0, {self.total})")
-        k = flat_index // self.block
+        k = self.block_of(flat_index)
         return (flat_index - self.blocks[k][0]) // self.chunk_size(k)
 
     def flat_to_shard(self, flat_index: int) -> int:
-        k = flat_index // self.block
+        k = self.block_of(flat_index)
         s, _ = self.blocks[k]
-        c = self.chunk_size(k)
-        return k * (self.block // self.world) + (flat_index - s) % c
+        return self.block_shard_lo[k] + (flat_index - s) % self.chunk_size(k)
 
     def pieces(self, flat_lo: int, flat_hi: int) -> list[Piece]:
         """Parameter pieces overlapping flat [flat_lo, flat_hi), in flat order."""
@@ -140,7 +174,7 @@ class FlatLayout:
         o, n = self.offsets[index], self.numels[index]
         if n == 0:
             return []
-        return list(range(o // self.block, (o + n - 1) // self.block + 1))
+        return list(range(self.block_of(o), self.block_of(o + n - 1) + 1))
 
     def owned_pieces(self, rank: int) -> list[tuple[Piece, int]]:
         """(piece, shard offset) for every parameter piece `rank` owns."""

@@ -1,0 +1,25 @@
+"""MPICommunicator collectives on 1-4 ranks (tests/workers/comm_ops.py does the checking)."""
+import pytest
+
+from mpirun import run_worker
+
+CHECKS = {
+    "all_reduce_sum_ordered", "all_reduce_sum_native", "all_reduce_max", "all_reduce_min",
+    "all_reduce_numpy", "reduce_scatter_ordered_fp32", "reduce_scatter_native_fp32",
+    "reduce_scatter_ordered_bf16", "all_gather_float32", "all_gather_bfloat16", "broadcast",
+    "allreduce_scalars", "async_reverse_wait", "split_even_odd", "stats",
+    "size_mismatch_raises", "bucket_independence",
+}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collectives(n, tmp_path):
+    res = run_worker(n, "comm_ops", [], tmp_path, timeout=120)
+    assert res["ok"] is True and res["world"] == n
+    want = CHECKS | ({"reduce_scatter_native_bf16_refused"} if n > 1 else set())
+    assert set(res["checks"]) == want, sorted(want ^ set(res["checks"]))
+    # counting convention: reduce_scatter counts its input, all_gather its output
+    ex = res["stats_example"]
+    assert ex["all_gather"]["elements"] == 6 * n and ex["reduce_scatter"]["elements"] == 8 * n
+    # the bucket-independence sweep ran for every block size
+    assert len(res["native_elements_differing_from_ordered"]) == 6
