@@ -18,6 +18,15 @@ def test_one_rank_raising_aborts_everyone_fast():
     assert r.elapsed < 10, r.elapsed
 
 
+@pytest.mark.parametrize("mode", ["raise-in-backward-s2", "raise-in-backward-s3", "raise-in-forward-s3"])
+def test_error_inside_forward_or_backward_aborts_everyone(mode):
+    """An error deep inside autograd or a stage-3 forward must reach the abort hook
+    directly: no rank may go on issuing or waiting on collectives its peers never match."""
+    r = _run(3, mode)
+    assert "rank one failed inside" in r.stdout and "[rank 1]" in r.stdout
+    assert r.elapsed < 10, r.elapsed
+
+
 @pytest.mark.parametrize("mode,needle", [
     ("bad-config", "config key 'optimizer.lr' = -1.0"),
     ("bad-config-one-rank", "config key 'gradient_clipping' = 'lots'"),

@@ -25,9 +25,24 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, comm: 
     `param_groups` are torch-style groups ({"params": [...], "weight_decay": 0.0, ...});
     parameters not listed use the config's optimizer settings. `comm` defaults to the
     data-parallel group of COMM_WORLD."""
+    cfg = load_config(config)
+    if cfg.stage == 3:
+        from .stage3 import Stage3Engine
+
+        return Stage3Engine(model, cfg, comm=comm, param_groups=param_groups)
     from .engine import ZeroEngine
 
-    return ZeroEngine(model, config, comm=comm, param_groups=param_groups)
+    return ZeroEngine(model, cfg, comm=comm, param_groups=param_groups)
 
 
-__all__ = ["initialize", "ZeroConfig", "load_config", "runtime", "__version__"]
+def __getattr__(name: str):
+    # Lazy: importing zerompi must not initialise MPI or import the engine.
+    if name in ("Init", "GatheredParameters"):
+        from . import init_context
+
+        return getattr(init_context, name)
+    raise AttributeError(f"module 'zerompi' has no attribute {name!r}")
+
+
+__all__ = ["initialize", "Init", "GatheredParameters", "ZeroConfig", "load_config", "runtime",
+           "__version__"]

@@ -38,7 +38,7 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  comm: Any = None, param_groups: Sequence[dict] | None = None):
         cfg = config_mod.load(config)
-        if cfg.stage == 3:
+        if cfg.stage == 3 and type(self) is ZeroEngine:
             raise ValueError("config key 'stage' = 3: use zerompi.initialize, which builds the stage-3 engine")
         world = runtime.init()
         self.config = cfg
@@ -50,16 +50,14 @@ class ZeroEngine:
         self.rank, self.world = comm.rank, comm.size
         self.dtype = DTYPES[cfg.precision]
         self.mixed = self.dtype != torch.float32
-        runtime.seed_everything(cfg.seed, self.rank)
 
         named = _unique_params(model)
-        if any(p.device.type != "cpu" for _, p in named):
+        if any(p.device.type not in ("cpu", "meta") for _, p in named):
             raise ValueError("parameters must be on the CPU for the MPI backend (GPU path: comm.backend=nccl)")
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
-        # Backward order: the last registered parameter usually gets its gradient first.
-        trainable.reverse()
+        trainable, units = self._layout_order(model, trainable)
         self.param_names = [n for n, _ in trainable]
         self.params = [p for _, p in trainable]
         groups, owner = build_groups(model, cfg.optimizer, param_groups)
@@ -67,18 +65,50 @@ class ZeroEngine:
         group_of = [owner.get(id(p), 0) for p in self.params]
 
         self._check_same_everywhere(cfg, trainable)
-        N = self.world
-        self.layout = layout = FlatLayout([p.numel() for p in self.params], N, cfg.bucket_size, cfg.alignment)
-        stage = cfg.stage
-        if stage == 0:  # plain DP: every rank "owns" every block
+        self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world,
+                                          cfg.bucket_size, cfg.alignment, units=units)
+        if cfg.stage == 0:  # plain DP: every rank "owns" every block
             self.own = [Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)]
         else:
             self.own = layout.chunks(self.rank)
         owned = sum(c.size for c in self.own)
+        self._init_storage(model, owned)
+        self.exp_avg = torch.zeros(owned, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(owned, dtype=torch.float32)
 
+        # One optimizer segment per owned piece of a parameter; padding is never updated.
+        segments = []
+        for ch in self.own:
+            for pc in layout.pieces(ch.flat_lo, ch.flat_hi):
+                a = ch.shard_lo + pc.flat_lo - ch.flat_lo
+                b = a + pc.size
+                master, grad, lowp = self._segment_views(pc.flat_lo, pc.flat_hi, a, b)
+                segments.append(Segment(master, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                                        pc.index, pc.param_lo, group_of[pc.index], lowp))
+        self.optimizer = ShardedAdamW(segments, groups, len(self.params))
+        self.scaler = make_scaler(cfg.precision, cfg.fp16)
+        reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
+        self.reducer = GradReducer(self.params, layout, comm, min(cfg.stage, 2), self.own,
+                                   self.flat_grad, self.grad_shard, cfg.bucket_count, reduce_dtype)
+        self.micro_steps = 0      # engine.step() calls
+        self.global_steps = 0     # optimizer updates applied
+        self.skipped_steps = 0    # fp16 overflow skips
+        self.last_grad_norm: float | None = None
+        self._backward_pending = False
+        runtime.seed_everything(cfg.seed, self.rank)
+
+    # ------------------------------------------------------------------ storage (stages 0-2)
+    def _layout_order(self, model: nn.Module, trainable: list) -> tuple[list, list[int] | None]:
+        """Parameters in flat-buffer order and their unit sizes (None: one unit).
+        Backward order: the last registered parameter usually gets its gradient first."""
+        return trainable[::-1], None
+
+    def _init_storage(self, model: nn.Module, owned: int) -> None:
+        """Full working parameters in one flat buffer, master/grads as the stage says."""
+        layout = self.layout
         # Identical start on every rank: rank 0's fp32 values are broadcast once.
         full32 = flat.pack(self.params, layout, torch.float32)
-        comm.broadcast(full32, root=0)
+        self.comm.broadcast(full32, root=0)
         self._sync_untracked(model, {id(p) for p in self.params})
         if self.mixed:
             self.flat_param = full32.to(self.dtype)
@@ -88,36 +118,18 @@ class ZeroEngine:
             self.flat_param, self.master = full32, None
         del full32
         flat.bind_params(self.params, self.flat_param, layout)
-
-        grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype
-        if stage in (0, 1):
+        grad_dtype = torch.float32 if self.config.grad_accum_dtype == "fp32" else self.dtype
+        if self.config.stage in (0, 1):
             self.flat_grad, self.grad_shard = torch.zeros(layout.total, dtype=grad_dtype), None
         else:
             self.flat_grad, self.grad_shard = None, torch.zeros(owned, dtype=grad_dtype)
-        self.exp_avg = torch.zeros(owned, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(owned, dtype=torch.float32)
 
-        # One optimizer segment per owned piece of a parameter; padding is never updated.
-        segments = []
-        for ch in self.own:
-            for pc in layout.pieces(ch.flat_lo, ch.flat_hi):
-                lo, hi = pc.flat_lo, pc.flat_hi
-                a, b = ch.shard_lo + lo - ch.flat_lo, ch.shard_lo + hi - ch.flat_lo
-                master = self.master[a:b] if self.mixed else self.flat_param[lo:hi]
-                grad = self.grad_shard[a:b] if stage == 2 else self.flat_grad[lo:hi]
-                segments.append(Segment(master, grad, self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                                        pc.index, pc.param_lo, group_of[pc.index],
-                                        self.flat_param[lo:hi] if self.mixed else None))
-        self.optimizer = ShardedAdamW(segments, groups, len(self.params))
-        self.scaler = make_scaler(cfg.precision, cfg.fp16)
-        reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
-        self.reducer = GradReducer(self.params, layout, comm, stage, self.own, self.flat_grad,
-                                   self.grad_shard, cfg.bucket_count, reduce_dtype)
-        self.micro_steps = 0      # engine.step() calls
-        self.global_steps = 0     # optimizer updates applied
-        self.skipped_steps = 0    # fp16 overflow skips
-        self.last_grad_norm: float | None = None
-        self._backward_pending = False
+    def _segment_views(self, lo: int, hi: int, a: int, b: int):
+        """(fp32 master, stored gradient, low-precision copy or None) of flat [lo, hi),
+        which sits at shard [a, b)."""
+        master = self.master[a:b] if self.mixed else self.flat_param[lo:hi]
+        grad = self.grad_shard[a:b] if self.grad_shard is not None else self.flat_grad[lo:hi]
+        return master, grad, (self.flat_param[lo:hi] if self.mixed else None)
 
     # ------------------------------------------------------------------ set-up helpers
     def _check_same_everywhere(self, cfg: ZeroConfig, trainable) -> None:
@@ -184,14 +196,15 @@ class ZeroEngine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self._backward_pending = True
         contributions = self.world * self.gradient_accumulation_steps
-        stage2 = self.config.stage == 2
-        self.reducer.begin(reduce=stage2 or self.is_boundary(), pre_scale=1.0 / contributions)
-        try:
-            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
-        finally:
-            # Always flush: a rank that raised must not leave collectives half issued
-            # (the abort hook then ends the job; no other rank waits on a missing bucket).
-            self.reducer.end()
+        # stages 2-3 reduce every micro-step into the gradient shard (no full gradient
+        # survives a micro-step); stages 0-1 accumulate locally and reduce at the boundary
+        every = self.config.stage >= 2
+        self.reducer.begin(reduce=every or self.is_boundary(), pre_scale=1.0 / contributions)
+        # No try/finally here: a rank whose backward raised must not go on to issue or
+        # wait on collectives its peers will never match; the error goes straight to the
+        # abort hook, which ends the whole job.
+        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        self.reducer.end()
 
     def step(self) -> bool:
         """Count one micro-step; at the accumulation boundary update. True if updated."""
@@ -221,7 +234,7 @@ class ZeroEngine:
             if clip_coef < 1.0:
                 coef = float(torch.tensor(clip_coef, dtype=torch.float32)) * coef
         self.optimizer.step(grad_coef=coef, used=used)
-        self._all_gather_params()
+        self._after_update()
         self._zero_grads()
         self.global_steps += 1
         return True
@@ -236,6 +249,10 @@ class ZeroEngine:
             local /= self.world  # every rank holds the whole reduced gradient
         vals = self.comm.allreduce_scalars([local] + self.reducer.used)
         return vals[0], [v > 0 for v in vals[1:]]
+
+    def _after_update(self) -> None:
+        """Refresh every rank's working parameters from the owners' updated shards."""
+        self._all_gather_params()
 
     def _all_gather_params(self) -> None:
         if self.config.stage == 0:
@@ -343,7 +360,7 @@ class ZeroEngine:
         self.global_steps = int(counters["global_steps"])
         self.micro_steps = int(counters["micro_steps"])
         self.skipped_steps = int(counters.get("skipped_steps", 0))
-        self._all_gather_params()
+        self._after_update()
         self._zero_grads()
 
     def full_grads(self) -> dict[str, torch.Tensor]:

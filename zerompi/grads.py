@@ -56,7 +56,7 @@ class GradReducer:
         if flat_grad is not None:
             self.grad_views = [flat_grad[o:o + n].view(p.shape)
                                for p, o, n in zip(self.params, layout.offsets, layout.numels)]
-        B = layout.blocks[0][1] - layout.blocks[0][0]
+        B = max(e - s for s, e in layout.blocks)
         c = B // layout.world
         self.slots_free = [_Slot(torch.empty(B, dtype=reduce_dtype), torch.empty(c, dtype=reduce_dtype),
                                  torch.empty(B if layout.world > 1 else 0, dtype=reduce_dtype))

@@ -36,10 +36,41 @@ class Odd(nn.Module):
         return logits, nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class Shapes(nn.Module):
+    """Stage-3 shapes: a module called twice per forward, torch.utils.checkpoint inside
+    the model, a tied embedding/head, a parameter used by the root's own forward, and a
+    module never called."""
+
+    def __init__(self, vocab: int = 37, dim: int = 12):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.block = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.ckpt = nn.Sequential(nn.Linear(dim, 24), nn.GELU(), nn.Linear(24, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.gate = nn.Parameter(torch.full((dim,), 0.5))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, idx, targets=None):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(idx)
+        h = self.block(self.block(h))
+        h = h + checkpoint(self.ckpt, h, use_reentrant=False)
+        h = self.norm(h) * self.gate
+        logits = self.head(h).float()
+        if targets is None:
+            return logits
+        return logits, nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "odd":
         return Odd()
+    if kind == "shapes":
+        return Shapes()
     from zerompi.models.gpt import GPT, PRESETS
 
     return GPT(PRESETS["tiny"])

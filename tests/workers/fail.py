@@ -12,7 +12,40 @@ mode = sys.argv[1]
 rank = MPI.COMM_WORLD.rank
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-cfg = {"stage": 2}
+cfg = {"stage": 3 if mode.endswith("-s3") else 2}
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises on rank 1 (an error deep inside autograd)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("rank one failed inside backward")
+
+
+if mode.startswith("raise-in-"):
+    lin = torch.nn.Linear(8, 8)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.a(x)
+            if rank == 1 and self.calls == 4:
+                if mode.startswith("raise-in-forward"):
+                    raise RuntimeError("rank one failed inside forward")
+                h = Boom.apply(h)
+            return self.b(h)
+
+    model = Net()
 if mode == "bad-config":
     cfg = {"stage": 2, "optimizer": {"lr": -1.0}}
 elif mode == "bad-config-one-rank" and rank == 1:

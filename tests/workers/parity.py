@@ -15,7 +15,7 @@ from common import global_batch, make_model, micro_slices, reference_run, vocab_
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
-ap.add_argument("--stages", default="0,1,2")
+ap.add_argument("--stages", default="0,1,2,3")
 ap.add_argument("--precision", default="fp32")
 ap.add_argument("--model", default="odd")
 ap.add_argument("--steps", type=int, default=10)
@@ -26,6 +26,7 @@ ap.add_argument("--lr", type=float, default=1e-3)
 ap.add_argument("--clip", type=float, default=1.0)
 ap.add_argument("--bucket", type=int, default=300)
 ap.add_argument("--groups", action="store_true", help="decay matrices only (two param groups)")
+ap.add_argument("--persist", type=int, default=0, help="stage3.persistence_threshold")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
@@ -45,6 +46,7 @@ for stage in [int(s) for s in a.stages.split(",")]:
     engine = zerompi.initialize(model, {
         "stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
         "gradient_clipping": a.clip, "bucket_size": a.bucket,
+        "stage3": {"persistence_threshold": a.persist},
         "optimizer": {"lr": a.lr, "weight_decay": 0.01}},
         param_groups=decay_groups(model, 0.1) if a.groups else None)
     losses, norms, grad_err = [], [], None
@@ -61,6 +63,15 @@ for stage in [int(s) for s in a.stages.split(",")]:
                     grad_err = max(((full[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
                                    for n, g in grads0.items())
             engine.step()
+        if stage == 3:
+            # nothing stays materialised after a step; eval under no_grad gathers and
+            # releases again without creating gradients or changing anything
+            left = engine.materialized_params()
+            with torch.no_grad():
+                engine(x[:2])
+            left += engine.materialized_params()
+            assert not left, f"materialised after step {step}: {left}"
+            assert all(p.grad is None for p in engine.params)
         losses.append(world.allreduce(tot, op=MPI.SUM) / (N * a.gas))
         norms.append(engine.last_grad_norm)
     sd = engine.full_state_dict()

@@ -30,8 +30,30 @@ def _mpi():
     return MPI
 
 
-def _arr(t: Any, name: str) -> np.ndarray:
-    """Zero-copy numpy view of a contiguous CPU tensor (16-bit floats as int16)."""
+_MPI_TYPES = None
+
+
+def _mpi_type(dtype: torch.dtype):
+    global _MPI_TYPES
+    if _MPI_TYPES is None:
+        MPI = _mpi()
+        _MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+                      # 16-bit floats only travel (never reduced by MPI): move them as int16
+                      torch.bfloat16: MPI.INT16_T, torch.float16: MPI.INT16_T,
+                      torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
+                      torch.uint8: MPI.UINT8_T, torch.int8: MPI.INT8_T, torch.bool: MPI.C_BOOL}
+    try:
+        return _MPI_TYPES[dtype]
+    except KeyError:
+        raise TypeError(f"no MPI datatype for {dtype}") from None
+
+
+def _arr(t: Any, name: str):
+    """Zero-copy MPI buffer spec of a contiguous CPU tensor (or a numpy array).
+
+    Built from the raw address rather than tensor.numpy(): numpy export marks a torch
+    storage non-resizable for good, and stage 3 frees gathered parameters by resizing
+    their storage. The caller keeps the tensor alive until the operation completes."""
     if isinstance(t, np.ndarray):
         return t
     if not isinstance(t, torch.Tensor):
@@ -41,9 +63,8 @@ def _arr(t: Any, name: str) -> np.ndarray:
                          "(GPU tensors go through comm.backend=nccl or a CUDA-aware MPI)")
     if not t.is_contiguous():
         raise ValueError(f"{name}: tensor must be contiguous")
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16).numpy()
-    return t.numpy()
+    buf = _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
+    return [buf, _mpi_type(t.dtype)]
 
 
 def _reducible(t: Any, name: str) -> None:
@@ -77,11 +98,9 @@ class MPICommunicator:
         except KeyError:
             raise ValueError(f"reduction op {op!r}: one of {_OPS}") from None
 
-    def _handle(self, opname: str, req, finish=None) -> Handle:
-        return Handle(self._stats, opname, req.Wait, req.Test, finish)
-
-    def _run(self, opname: str, req, async_op: bool, finish=None):
-        h = self._handle(opname, req, finish)
+    def _run(self, opname: str, req, async_op: bool, finish=None, keep=()):
+        h = Handle(self._stats, opname, req.Wait, req.Test, finish)
+        h.keep = keep  # buffers MPI writes into must outlive the request
         if async_op:
             return h
         h.wait()
@@ -106,10 +125,10 @@ class MPICommunicator:
                 self._ordered_sum(scratch.view(self.size, c), mine)
                 self.comm.Allgather(MPIIN(), _arr(t, "all_reduce"))
 
-            return self._run("all_reduce", req, async_op, finish)
+            return self._run("all_reduce", req, async_op, finish, keep=(t, scratch))
         _reducible(t, "all_reduce")
         req = self.comm.Iallreduce(MPIIN(), _arr(t, "all_reduce"), op=self._op(op))
-        return self._run("all_reduce", req, async_op)
+        return self._run("all_reduce", req, async_op, keep=(t,))
 
     @staticmethod
     def _ordered_sum(parts: torch.Tensor, out: torch.Tensor) -> None:
@@ -141,10 +160,11 @@ class MPICommunicator:
             tmp = scratch[:send.numel()]
             req = self.comm.Ialltoall(_arr(send, "send"), _arr(tmp, "scratch"))
             return self._run("reduce_scatter", req, async_op,
-                             lambda: self._ordered_sum(tmp.view(self.size, n), recv))
+                             lambda: self._ordered_sum(tmp.view(self.size, n), recv),
+                             keep=(send, tmp, recv))
         _reducible(send, "reduce_scatter")
         req = self.comm.Ireduce_scatter_block(_arr(send, "send"), _arr(recv, "recv"), op=self._op(op))
-        return self._run("reduce_scatter", req, async_op)
+        return self._run("reduce_scatter", req, async_op, keep=(send, recv))
 
     def all_gather(self, send, recv, async_op: bool = False):
         """recv (N*n) = concatenation over ranks of send (n). `send` may be this rank's
@@ -161,7 +181,18 @@ class MPICommunicator:
             return DoneHandle() if async_op else None
         sbuf = MPIIN() if inplace else _arr(send, "send")
         req = self.comm.Iallgather(sbuf, _arr(recv, "recv"))
-        return self._run("all_gather", req, async_op)
+        return self._run("all_gather", req, async_op, keep=(send, recv))
+
+    def gather(self, send, recv, root: int = 0) -> None:
+        """recv (N*n, on `root` only; None elsewhere) = concatenation over ranks of send."""
+        n = send.numel()
+        self._stats.record("gather", n * self.size, send.element_size())
+        if self.size == 1:
+            recv.copy_(send)
+            return
+        t0 = time.perf_counter()
+        self.comm.Gather(_arr(send, "send"), _arr(recv, "recv") if self.rank == root else None, root=root)
+        self._stats.add_time("gather", time.perf_counter() - t0)
 
     def broadcast(self, t, root: int = 0) -> None:
         n = t.numel()

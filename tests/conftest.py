@@ -1,0 +1,18 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A private single-node Slurm cluster on 127.0.0.1 (see tests/slurm_cluster.py).
+
+    Skips when Slurm/munge are not installed (.ci/install_slurm.sh) or we are not root;
+    fails if they are installed but the cluster does not come up.
+    """
+    from slurm_cluster import SlurmCluster, slurm_available
+
+    ok, why = slurm_available()
+    if not ok:
+        pytest.skip(why)
+    # The context manager stops every daemon and cancels jobs even when tests fail.
+    with SlurmCluster() as cluster:
+        yield cluster
