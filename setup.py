@@ -8,9 +8,11 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["zerompi", "zerompi.*"]),
-    # CUDA sources ship inside the package so installed copies can compile them at run time.
-    package_data={"zerompi": ["cuda_src/*.cu", "cuda_src/*.cuh"]},
+    # cuda_src/ (top level in the repo) ships inside the package as zerompi/cuda_src, so
+    # installed copies can compile the kernels at run time.
+    packages=find_packages(include=["zerompi", "zerompi.*"]) + ["zerompi.cuda_src"],
+    package_dir={"zerompi.cuda_src": "cuda_src"},
+    package_data={"zerompi.cuda_src": ["*.cu", "*.cuh"]},
     install_requires=[
         "mpi4py>=4.0",
         "numpy>=1.24",
@@ -24,7 +26,8 @@ setup(
         # An MPI library from PyPI for machines without a site MPI (workstations, CI).
         "mpich": ["mpich"],
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
-        "test": ["pytest>=7", "matplotlib>=3.6"],
+        # transformers: stage-3 tests build a GPT-2 and a Llama from configs (no download)
+        "test": ["pytest>=7", "matplotlib>=3.6", "transformers>=4.40"],
         "bench": ["matplotlib>=3.6"],
     },
     entry_points={"console_scripts": [

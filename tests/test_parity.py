@@ -76,3 +76,13 @@ def test_low_precision_tracks_fp32(precision, tmp_path):
         assert d["dtypes"] == [f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"]
         dev = max(abs(a - b) for a, b in zip(d["losses"], ref))
         assert dev < 0.03, (stage, dev, d["losses"], ref)
+
+
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama"])
+def test_stage3_parity_transformers_models(kind, tmp_path):
+    """Models from another library, built from a config (no download): GPT-2 (tied head,
+    Conv1D layers) and Llama (untied head, grouped-query attention, rotary buffers)."""
+    pytest.importorskip("transformers")
+    r = run_worker(2, "parity", ["--model", kind, "--stages", "3", "--steps", "4"], tmp_path,
+                   env={"TRANSFORMERS_VERBOSITY": "error"})
+    _check_fp32(r, stages=(3,))

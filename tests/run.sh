@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command of the README (and of .ci/run): installs everything the suite needs on
+# a fresh machine, then runs it. Safe to re-run: every step skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# torch first, pinned: an unpinned torch would pull the newest CUDA build (several GB).
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[mpich,test]"
+# System packages for the real-Slurm and h5ls/h5dump tests (they skip where these cannot
+# be installed, e.g. without root).
+bash .ci/install_slurm.sh
+bash .ci/install_hdf5_tools.sh
+
+export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
+exec python -m pytest -q -rs tests "$@"
