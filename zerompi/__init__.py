@@ -35,12 +35,19 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, comm: 
     return ZeroEngine(model, cfg, comm=comm, param_groups=param_groups)
 
 
+_SUBMODULES = ("optim", "engine", "stage3", "checkpoint", "comm", "partition", "precision", "data")
+
+
 def __getattr__(name: str):
     # Lazy: importing zerompi must not initialise MPI or import the engine.
     if name in ("Init", "GatheredParameters"):
         from . import init_context
 
         return getattr(init_context, name)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'zerompi' has no attribute {name!r}")
 
 

@@ -22,12 +22,12 @@ _PRAGMA_ONCE_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
 def cuda_src_dir() -> Path:
     """Directory holding the .cu sources.
 
-    Looked up, in order: $ZEROMPI_CUDA_SRC; ``zerompi/kernels/cuda_src`` (where
-    an installed wheel should ship them as package data); ``<repo>/cuda_src``
-    (source checkout).
+    Looked up, in order: $ZEROMPI_CUDA_SRC; ``zerompi/cuda_src`` or
+    ``zerompi/kernels/cuda_src`` (package data of an installed copy);
+    ``<repo>/cuda_src`` (source checkout).
     """
     here = Path(__file__).resolve().parent
-    candidates = [here / "cuda_src", here.parents[1] / "cuda_src"]
+    candidates = [here.parent / "cuda_src", here / "cuda_src", here.parents[1] / "cuda_src"]
     env = os.environ.get("ZEROMPI_CUDA_SRC")
     if env:
         candidates.insert(0, Path(env))

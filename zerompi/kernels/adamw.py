@@ -1,7 +1,8 @@
 """Fused AdamW over a flat fp32 shard (cuda_src/adamw.cu) and its numpy reference.
 
-Both compute, in fp32, exactly what torch's single-tensor AdamW computes with
-torch's vectorised CPU kernels (which fuse lerp and addcmul into FMAs):
+Both compute, in fp32, what torch's single-tensor AdamW computes with torch's
+vectorised CPU kernels (which fuse lerp and addcmul into FMAs), op for op; the one
+difference is sqrt, correctly rounded here, up to 1 ulp off in torch's CPU build:
     g = grad * grad_coef
     p = p * (1 - lr*wd)
     m = fma(w, g - m, m)            if |w| < 0.5 else fma(w - 1, g - m, g),  w = 1 - beta1
