@@ -125,8 +125,10 @@ class ZeroConfig:
     """Micro-batches per optimizer step (engine.step() updates on every n-th call)."""
     gradient_clipping: float = 0.0
     """Max global L2 norm of the gradient; 0 disables clipping."""
-    bucket_size: int = 1 << 24
-    """Elements per communication bucket (also the partition block, see docs)."""
+    bucket_size: int = 1 << 22
+    """Elements per communication bucket (also the partition block, see docs). Each of the
+    `bucket_count` slots holds ~2.5 buckets (send, alltoall receive, own chunk) in the
+    reduce dtype: 2^22 elements = 16 MiB per bucket (DDP uses 25 MB buckets)."""
     bucket_count: int = 2
     """Buckets in flight at once: one filling while the others reduce."""
     reduce_dtype: str = "fp32"

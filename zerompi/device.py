@@ -1,0 +1,60 @@
+"""Which device a rank computes on, and whether MPI can take GPU buffers directly.
+
+- Binding: each rank takes GPU (node-local rank mod visible GPUs). The node-local rank
+  comes from an MPI shared-memory split, which works the same under mpiexec and srun
+  (no launcher-specific environment variables needed).
+- CUDA-aware MPI: asked at run time through MPIX_Query_cuda_support (MPICH, Open MPI
+  and MVAPICH export it; mpi4py has no wrapper, so it is called through ctypes on the
+  MPI library mpi4py loaded). pip's MPICH answers 0: GPU buffers must then be staged
+  through host memory, or go through NCCL. ZEROMPI_CUDA_AWARE_MPI=0/1 overrides it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+
+import torch
+
+from . import runtime
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    """Paths of MPI shared libraries mapped into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(("libmpi", "libmpich")))
+
+
+@lru_cache(maxsize=1)
+def cuda_aware_mpi() -> bool:
+    """True when the MPI library accepts device pointers (asked once per process)."""
+    env = os.environ.get("ZEROMPI_CUDA_AWARE_MPI")
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"ZEROMPI_CUDA_AWARE_MPI = {env!r}: must be 0 or 1")
+        return env == "1"
+    runtime.mpi()  # make sure the library is loaded
+    for path in _loaded_mpi_libraries():
+        try:
+            fn = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    return False
+
+
+def bind(comm) -> torch.device:
+    """This rank's compute device: cuda:(local rank mod GPUs) when GPUs exist, else cpu.
+    `comm` is an mpi4py communicator spanning the job."""
+    local, _ = runtime.local_rank(comm)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return torch.device("cpu")
+    dev = torch.device("cuda", local % n)
+    torch.cuda.set_device(dev)
+    return dev
