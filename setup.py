@@ -26,8 +26,9 @@ setup(
         # An MPI library from PyPI for machines without a site MPI (workstations, CI).
         "mpich": ["mpich"],
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
-        # transformers: stage-3 tests build a GPT-2 and a Llama from configs (no download)
-        "test": ["pytest>=7", "matplotlib>=3.6", "transformers>=4.40"],
+        # transformers: stage-3 tests build a GPT-2 and a Llama from configs (no download);
+        # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time
+        "test": ["pytest>=7", "matplotlib>=3.6", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
         "bench": ["matplotlib>=3.6"],
     },
     entry_points={"console_scripts": [
