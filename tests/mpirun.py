@@ -32,9 +32,36 @@ def mpi_env(extra: dict | None = None) -> dict:
     return env
 
 
+SHM = Path("/dev/shm")
+
+
+def _shm_segments() -> set[str]:
+    try:
+        return {p.name for p in SHM.glob("mpich_shm_*")}
+    except OSError:
+        return set()
+
+
 def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = None,
             module: bool = True, check: bool = True) -> subprocess.CompletedProcess:
-    """`mpiexec -n N python -m mpi4py ARGV`; kills the process group on timeout."""
+    """`mpiexec -n N python -m mpi4py ARGV`; kills the process group on timeout.
+
+    MPICH leaves its shared-memory segment in /dev/shm when a job is aborted (several of
+    our tests abort on purpose); the segments a failed launch created are removed, so
+    repeated runs on one machine do not fill /dev/shm. pytest runs one launch at a time,
+    so whatever appeared during a launch is that launch's."""
+    before = _shm_segments()
+    try:
+        return _run_mpi(n, argv, timeout, env, module, check)
+    finally:
+        for name in _shm_segments() - before:
+            try:
+                (SHM / name).unlink()
+            except OSError:
+                pass
+
+
+def _run_mpi(n, argv, timeout, env, module, check) -> subprocess.CompletedProcess:
     cmd = ["mpiexec", "-n", str(n), sys.executable] + (["-m", "mpi4py"] if module else []) + argv
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=mpi_env(env), start_new_session=True)

@@ -96,6 +96,7 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None
         self._backward_pending = False
         runtime.seed_everything(cfg.seed, self.rank)
+        runtime.release_free_memory()
 
     # ------------------------------------------------------------------ storage (stages 0-2)
     def _layout_order(self, model: nn.Module, trainable: list) -> tuple[list, list[int] | None]:

@@ -105,6 +105,7 @@ class Init:
         for f, orig in self._saved.items():
             setattr(nn.init, f, orig)
         self._saved.clear()
+        runtime.release_free_memory()  # the freed full parameters, see runtime.py
 
 
 @contextlib.contextmanager

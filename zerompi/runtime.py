@@ -67,6 +67,24 @@ def init() -> Any:
     return mpi().COMM_WORLD
 
 
+def release_free_memory() -> None:
+    """Return freed heap pages to the OS (glibc malloc_trim; a no-op elsewhere).
+
+    After construction and set-up many large temporaries (full parameters before
+    partitioning, fp32 staging copies) are freed while small long-lived pieces sit above
+    them in the heap; glibc's rising mmap threshold keeps that memory in the process.
+    Measured: a 100M-parameter model under Init at N = 4 kept ~1.2 GB per rank instead
+    of ~0.7 GB until trimmed."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def seed_everything(seed: int, rank: int) -> None:
     """Seed python, numpy and torch with seed + rank (dropout/data differ per rank;
     model initialisation is made identical by a broadcast from rank 0, not by seeds)."""
