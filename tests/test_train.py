@@ -113,17 +113,7 @@ def test_bad_key_fails_fast_naming_it(tmp_path, corpus, args, needle):
     assert res.elapsed < 15
 
 
-def _checkpoint_available() -> bool:
-    try:
-        from zerompi import checkpoint
-    except ImportError:
-        return False
-    return hasattr(checkpoint, "save") and hasattr(checkpoint, "load")
-
-
 def test_signal_checkpoints_exits_124_and_rerun_matches(tmp_path, corpus, tiny_run):
-    if not _checkpoint_available():
-        pytest.skip("checkpoint module not available yet")
     args = ["--checkpoint_interval", "1000", "--keep_last", "2"]
 
     run_dir = tmp_path / "int"
@@ -158,8 +148,6 @@ def test_signal_checkpoints_exits_124_and_rerun_matches(tmp_path, corpus, tiny_r
 
 def test_restarting_a_finished_run_does_nothing(tiny_run, corpus):
     """A requeue after the last step: resume from the final checkpoint, exit 0 at once."""
-    if not _checkpoint_available():
-        pytest.skip("checkpoint module not available yet")
     run_dir, _ = tiny_run
     before = (run_dir / "metrics.jsonl").read_text()
     res = train(2, run_dir, corpus)

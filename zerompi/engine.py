@@ -301,11 +301,13 @@ class ZeroEngine:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None):
-        """Atomic HDF5-sharded checkpoint (see zerompi/checkpoint); returns its path."""
+    def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None,
+                        keep_last: int | None = None):
+        """Atomic HDF5-sharded checkpoint (see docs/checkpoints.md); returns its path.
+        keep_last=K removes older checkpoints once this one is safely in place."""
         from . import checkpoint
 
-        return checkpoint.save(self, directory, tag=tag, client_state=client_state)
+        return checkpoint.save(self, directory, tag=tag, client_state=client_state, keep_last=keep_last)
 
     def load_checkpoint(self, directory, tag: str | None = None) -> dict | None:
         """Load the checkpoint `tag` (default: the 'latest' pointer) saved at any world

@@ -1,0 +1,202 @@
+"""TrainConfig: the typed, frozen configuration of `python -m zerompi.train`.
+
+Same machinery as ZeroConfig (zerompi/config.py): a TOML/JSON file plus dotted
+overrides, unknown keys and bad values fail naming the key. The nested `zero` table is
+a ZeroConfig, so `zero.stage=2` or `--zero.optimizer.lr 3e-4` work on the command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .config import ZeroConfig, _build, _fail, _set_dotted, parse_overrides, read_file
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which GPT to train: a preset from zerompi.models.gpt.PRESETS, optionally reshaped."""
+
+    preset: str = "tiny"
+    """tiny | small | gpt-20m | gpt-200m | gpt2 | gpt-1b."""
+    n_layer: int = 0
+    """Transformer blocks; 0 keeps the preset's value (same for n_head, n_embd, vocab_size)."""
+    n_head: int = 0
+    n_embd: int = 0
+    vocab_size: int = 0
+    dropout: float = 0.0
+    """Dropout probability (every preset uses 0)."""
+    bias: bool = True
+    """Linear and LayerNorm biases (every preset has them)."""
+
+    def _validate(self, p: str) -> None:
+        from .models.gpt import PRESETS
+
+        if self.preset not in PRESETS:
+            _fail(f"{p}.preset", self.preset, f"must be one of {', '.join(PRESETS)}")
+        for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
+            if getattr(self, k) < 0:
+                _fail(f"{p}.{k}", getattr(self, k), "must be >= 0 (0 = the preset's)")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail(f"{p}.dropout", self.dropout, "must be in [0, 1)")
+
+    def gpt_config(self):
+        from .models.gpt import PRESETS
+
+        base = PRESETS[self.preset]
+        changes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
+                   if getattr(self, k)}
+        try:
+            return dataclasses.replace(base, dropout=self.dropout, bias=self.bias, **changes)
+        except ValueError as e:  # n_embd not divisible by n_head
+            _fail("model.n_head", self.n_head or base.n_head, str(e))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs. The engine's settings live in `zero`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: str = "default"
+    """'default' (byte-level Python stdlib, built on first use), a .bin token file,
+    or file.h5:/dataset."""
+    val_fraction: float = 0.05
+    """Last fraction of the tokens held out for validation."""
+    block_size: int = 0
+    """Tokens per training sequence; 0 = the model's context length (must be <= it)."""
+    global_batch: int = 32
+    """Sequences per optimizer step, summed over all ranks and micro-steps
+    (zero.gradient_accumulation_steps micro-steps per step)."""
+    max_steps: int = 1000
+    """Optimizer steps of the whole run (a resumed run continues up to this)."""
+    warmup_steps: int = 100
+    """Linear LR warm-up from 0 to zero.optimizer.lr over this many steps."""
+    lr_decay_steps: int = 0
+    """Cosine decay from zero.optimizer.lr to min_lr ends here; 0 = max_steps."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay and afterwards."""
+    eval_interval: int = 100
+    """Validate every this many steps and at the end; 0 = never."""
+    eval_batches: int = 8
+    """Validation batches of global_batch sequences each (capped at one pass over the split)."""
+    log_interval: int = 10
+    """Refresh the progress bar / print a line every this many steps (metrics.jsonl
+    gets every step)."""
+    checkpoint_interval: int = 200
+    """Checkpoint every this many steps and at the end; 0 = only at the end and on signals."""
+    keep_last: int = 3
+    """Checkpoints kept in run_dir/checkpoints (older ones are deleted); 0 = keep all."""
+    run_dir: str = "runs/default"
+    """metrics.jsonl, config.json and checkpoints/ go here; a run restarted with the same
+    run_dir resumes from its latest checkpoint."""
+    resume: bool = True
+    """Resume from run_dir's latest checkpoint if there is one."""
+    seed: int = 1337
+    """Model initialisation and data order (zero.seed drives per-rank RNG such as dropout)."""
+    device: str = "cpu"
+    """cpu | cuda (cuda needs zero.comm.backend = 'nccl')."""
+    threads: int = 0
+    """torch threads per rank; 0 = this node's CPUs divided by its ranks."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one rank, for the MFU estimate; 0 = a rough CPU guess
+    (threads x 100 GFLOP/s), so set it on GPUs (H100 SXM dense bf16: 989e12)."""
+    progress: str = "auto"
+    """auto (a tqdm bar on a terminal, plain lines otherwise) | bar | lines | none."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+
+    def __post_init__(self) -> None:
+        self.model._validate("model")
+        positive = ("global_batch",)
+        non_negative = ("block_size", "max_steps", "warmup_steps", "lr_decay_steps", "eval_interval",
+                        "checkpoint_interval", "keep_last", "threads")
+        for k in positive:
+            if getattr(self, k) < 1:
+                _fail(k, getattr(self, k), "must be >= 1")
+        for k in non_negative:
+            if getattr(self, k) < 0:
+                _fail(k, getattr(self, k), "must be >= 0")
+        if self.eval_batches < 1:
+            _fail("eval_batches", self.eval_batches, "must be >= 1")
+        if self.log_interval < 1:
+            _fail("log_interval", self.log_interval, "must be >= 1")
+        if not 0.0 <= self.val_fraction < 1.0:
+            _fail("val_fraction", self.val_fraction, "must be in [0, 1)")
+        if self.eval_interval and self.val_fraction == 0:
+            _fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
+        if not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
+            _fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
+        if self.block_size > self.model.gpt_config().block_size:
+            _fail("block_size", self.block_size,
+                  f"must be <= the model's context length {self.model.gpt_config().block_size}")
+        if self.device not in ("cpu", "cuda"):
+            _fail("device", self.device, "must be cpu or cuda")
+        if self.progress not in ("auto", "bar", "lines", "none"):
+            _fail("progress", self.progress, "must be auto, bar, lines or none")
+        if not self.peak_flops >= 0:
+            _fail("peak_flops", self.peak_flops, "must be >= 0")
+        if not self.data:
+            _fail("data", self.data, "must name a token source")
+
+    @property
+    def seq_len(self) -> int:
+        return self.block_size or self.model.gpt_config().block_size
+
+
+def load(source: "str | os.PathLike | dict | None" = None,
+         overrides: "dict[str, Any] | Sequence[str] | None" = None) -> TrainConfig:
+    """TrainConfig from a TOML/JSON file or dict plus dotted overrides."""
+    if source is None:
+        data: dict = {}
+    elif isinstance(source, dict):
+        data = json.loads(json.dumps(source))
+    else:
+        data = read_file(source)
+    if overrides:
+        if not isinstance(overrides, dict):
+            overrides = parse_overrides(overrides)
+        for k, v in overrides.items():
+            _set_dotted(data, k, v)
+    return _build(TrainConfig, data)
+
+
+def from_argv(argv: Sequence[str]) -> TrainConfig:
+    """`--config FILE` (or config=FILE) plus `--key value` / `key=value` overrides."""
+    argv = list(argv)
+    source = None
+    rest = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in ("--config", "-c"):
+            if i + 1 >= len(argv):
+                raise ValueError("--config needs a file name")
+            source, i = argv[i + 1], i + 2
+            continue
+        if tok.startswith("--config=") or tok.startswith("config="):
+            source = tok.split("=", 1)[1]
+        else:
+            rest.append(tok)
+        i += 1
+    return load(source, parse_overrides(rest))
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """One 'key = default' line per leaf field (for --help)."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            lines += describe(type(default), key + ".")
+        else:
+            lines.append(f"  {key} = {json.dumps(default)}")
+    return lines
+
+
+__all__ = ["ModelConfig", "TrainConfig", "load", "from_argv", "to_dict", "describe"]
