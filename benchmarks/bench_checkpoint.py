@@ -1,0 +1,314 @@
+#!/usr/bin/env python
+"""Checkpoint save/load throughput: zerompi (HDF5 shards) vs torch.save vs DeepSpeed.
+
+Worker mode (one job = one system x model x N):
+
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_checkpoint.py --system zerompi \
+        --model gpt-200m --dir /tmp/ckbench --out r.json
+
+Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
+
+    python benchmarks/bench_checkpoint.py --driver --model gpt-200m \
+        --out benchmarks/results/checkpoint_cpu.json --png benchmarks/results/checkpoint_cpu.png
+
+Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
+training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
+file per rank + index.h5 + manifest, fsynced, sha256 computed on save and verified on
+load. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
+(weights_only=True) + load_state_dict. DeepSpeed (when importable; --ds-python names an
+interpreter that has it): ZeRO stage 2 on CPU with gloo, engine.save_checkpoint then
+os.sync() (DeepSpeed does not fsync), engine.load_checkpoint. Loads are timed after
+dropping the page cache when /proc/sys/vm/drop_caches is writable ("cold"), else warm.
+Throughput = checkpoint bytes / wall seconds; per rank = the rank's own bytes / seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RANK_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def machine_info(directory: str) -> dict:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fs = "?"
+    try:
+        out = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()[-1].split()
+        fs = f"{out[0]} ({out[1]})"
+    except Exception:
+        pass
+    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem / 2**30, 1),
+            "disk": fs, "python": platform.python_version(), "load_avg_at_start": os.getloadavg()}
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dir_bytes(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def build_model(name: str):
+    import torch
+
+    from zerompi.models.gpt import GPT, PRESETS
+
+    torch.manual_seed(0)
+    return GPT(PRESETS[name])
+
+
+def one_step(model_call, backward, step, vocab: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (1, 32), generator=g)
+    _, loss = model_call(x, torch.roll(x, -1, 1))
+    backward(loss)
+    step()
+
+
+# ---------------------------------------------------------------------------- systems
+def bench_zerompi(a, comm) -> dict:
+    import zerompi
+    from zerompi.checkpoint import load, save
+
+    model = build_model(a.model)
+    engine = zerompi.initialize(model, {"stage": 2, "precision": "fp32", "optimizer": {"lr": 1e-4}})
+    one_step(engine, engine.backward, engine.step, model.config.vocab_size)
+    rank = comm.Get_rank()
+    out = {"save_s": [], "load_s": [], "load_noverify_s": []}
+    for rep in range(a.repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        path = save(engine, a.dir, tag=f"rep{rep}", keep_last=1)
+        comm.Barrier()
+        out["save_s"].append(time.perf_counter() - t0)
+        for key, verify in (("load_s", True), ("load_noverify_s", False)):
+            cold = drop_caches() if rank == 0 else None
+            comm.Barrier()
+            t0 = time.perf_counter()
+            load(engine, a.dir, verify=verify)
+            comm.Barrier()
+            out[key].append(time.perf_counter() - t0)
+            out["cold"] = comm.bcast(cold)
+    out["rank_bytes"] = comm.allgather(os.path.getsize(os.path.join(path, f"rank-{rank:05d}.h5")))
+    out["total_bytes"] = dir_bytes(path)
+    return out
+
+
+def bench_torch(a) -> dict:
+    import torch
+
+    model = build_model(a.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    one_step(model, lambda loss: loss.backward(), opt.step, model.config.vocab_size)
+    os.makedirs(a.dir, exist_ok=True)
+    path = os.path.join(a.dir, "torch_ckpt.pt")
+    out = {"save_s": [], "load_s": []}
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        out["save_s"].append(time.perf_counter() - t0)
+        out["cold"] = drop_caches()
+        t0 = time.perf_counter()
+        sd = torch.load(path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        del sd
+        out["load_s"].append(time.perf_counter() - t0)
+    out["rank_bytes"] = [os.path.getsize(path)]
+    out["total_bytes"] = out["rank_bytes"][0]
+    return out
+
+
+def bench_deepspeed(a, comm) -> dict:
+    import deepspeed
+    import torch
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(comm.bcast(a.port))})
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(a.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+           "zero_allow_untested_optimizer": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    one_step(engine, engine.backward, engine.step, model.config.vocab_size)
+    out = {"save_s": [], "load_s": [], "version": deepspeed.__version__}
+    for rep in range(a.repeats):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(a.dir, tag=f"rep{rep}")
+        os.sync()
+        torch.distributed.barrier()
+        out["save_s"].append(time.perf_counter() - t0)
+        cold = drop_caches() if rank == 0 else None
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        engine.load_checkpoint(a.dir, tag=f"rep{rep}")
+        torch.distributed.barrier()
+        out["load_s"].append(time.perf_counter() - t0)
+        out["cold"] = comm.bcast(cold)
+    tagdir = os.path.join(a.dir, f"rep{a.repeats - 1}")
+    out["total_bytes"] = dir_bytes(tagdir)
+    out["rank_bytes"] = [out["total_bytes"] // n] * n  # DeepSpeed's files are not per-rank only
+    return out
+
+
+# ---------------------------------------------------------------------------- driver
+def summarize(r: dict, n: int) -> dict:
+    best = lambda k: min(r[k]) if r.get(k) else None  # noqa: E731
+    s = {"n": n, "total_bytes": r["total_bytes"], "save_s": best("save_s"), "load_s": best("load_s"),
+         "load_noverify_s": best("load_noverify_s"), "cold_load": r.get("cold")}
+    for k in ("save", "load", "load_noverify"):
+        t = s[f"{k}_s"]
+        if t:
+            s[f"{k}_gbs"] = r["total_bytes"] / t / 1e9
+            s[f"{k}_gbs_per_rank"] = sum(r["rank_bytes"]) / n / t / 1e9
+    return s
+
+
+def run_job(system: str, n: int, a, python: str) -> dict:
+    out = Path(a.workdir) / f"{system}-n{n}.json"
+    ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
+    shutil.rmtree(ckdir, ignore_errors=True)
+    cmd = [python, "-m", "mpi4py", str(Path(__file__).resolve()), "--system", system, "--model", a.model,
+           "--dir", str(ckdir), "--out", str(out), "--repeats", str(a.repeats), "--port", str(29500 + n)]
+    if system != "torch":
+        cmd = ["mpiexec", "-n", str(n)] + cmd
+    env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    shutil.rmtree(ckdir, ignore_errors=True)
+    if p.returncode != 0:
+        return {"system": system, "n": n, "error": (p.stdout + p.stderr)[-2000:]}
+    res = json.loads(out.read_text())
+    return dict(summarize(res, n), system=system, job_seconds=round(time.time() - t0, 1),
+                **({"version": res["version"]} if "version" in res else {}))
+
+
+def driver(a) -> None:
+    import torch
+
+    from zerompi.models.gpt import PRESETS, count_params
+
+    os.makedirs(a.workdir, exist_ok=True)
+    results, notes = [], []
+    for n in a.ranks:
+        results.append(run_job("zerompi", n, a, sys.executable))
+        print(json.dumps(results[-1]), flush=True)
+    results.append(run_job("torch", 1, a, sys.executable))
+    print(json.dumps(results[-1]), flush=True)
+    ds_python = a.ds_python or sys.executable
+    probe = subprocess.run([ds_python, "-c", "import deepspeed"], capture_output=True, text=True,
+                           env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    if probe.returncode == 0:
+        for n in a.ranks:
+            results.append(run_job("deepspeed", n, a, ds_python))
+            print(json.dumps(results[-1]), flush=True)
+    else:
+        notes.append(f"DeepSpeed skipped: not importable with {ds_python} ({probe.stderr.strip()[-200:]})")
+    report = {"benchmark": "checkpoint save/load", "model": a.model,
+              "params": count_params(PRESETS[a.model]), "precision": "fp32", "zerompi_stage": 2,
+              "repeats": a.repeats, "timing": "best of repeats, wall clock between barriers",
+              "machine": machine_info(a.workdir), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    if a.png:
+        plot(report, a.png)
+    print(f"wrote {a.out}" + (f" and {a.png}" if a.png else ""))
+
+
+def plot(report: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["results"] if "error" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. sha256 verify)")):
+        labels, agg, per = [], [], []
+        for r in rows:
+            if r.get(f"{key}_gbs") is None:
+                continue
+            labels.append(f"{r['system']}\nN={r['n']}")
+            agg.append(r[f"{key}_gbs"])
+            per.append(r[f"{key}_gbs_per_rank"])
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], agg, 0.4, label="aggregate")
+        ax.bar([i + 0.2 for i in x], per, 0.4, label="per rank")
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    m = report["machine"]
+    fig.suptitle(f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
+                 f"throughput — {m['cores']} cores {m['cpu']}, {m['ram_gib']} GiB, {m['disk']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
+    ap.add_argument("--model", default="gpt-200m", help="GPT preset (gpt-200m, gpt-20m, small, tiny)")
+    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dir", default="/tmp/zerompi-ckbench/ck")
+    ap.add_argument("--workdir", default="/tmp/zerompi-ckbench")
+    ap.add_argument("--ds-python", default="", help="python that can import deepspeed (default: this one)")
+    ap.add_argument("--port", type=int, default=29500)
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--png", default="")
+    a = ap.parse_args()
+    if a.driver:
+        driver(a)
+        return
+    if a.system == "torch":
+        res = bench_torch(a)
+    else:
+        from mpi4py import MPI
+
+        res = bench_zerompi(a, MPI.COMM_WORLD) if a.system == "zerompi" else bench_deepspeed(a, MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            return
+    Path(a.out).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

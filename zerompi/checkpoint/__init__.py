@@ -1,0 +1,62 @@
+"""Sharded, atomic, verified HDF5 checkpoints that load at any world size and stage.
+
+    path = zerompi.checkpoint.save(engine, "ckpt")            # collective; -> ckpt/step-N
+    client_state = zerompi.checkpoint.load(engine, "ckpt")    # collective; ckpt/latest
+
+Layout and guarantees: docs/checkpoints.md. Modules: format (names, types, checksums),
+writer (one rank's file), index (index.h5 virtual datasets), directory (atomic publish,
+latest, rotation), verify, reader (ranges from rank files), saving/loading (the MPI
+protocols). Inspect and export from the shell: `python -m zerompi.inspect`,
+`python -m zerompi.export`.
+
+Only h5py/numpy/JSON are used to read: nothing in a checkpoint can execute code.
+"""
+from __future__ import annotations
+
+from .format import CheckpointError
+
+__all__ = ["CheckpointError", "save", "load", "verify_checkpoint", "resolve", "read_manifest"]
+
+
+def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
+         keep_last: int | None = None) -> str:
+    """Write DIR/TAG (default tag step-<global_steps>) on all ranks together and point
+    DIR/latest at it; returns the checkpoint path. client_state must be JSON-serialisable
+    (TypeError naming the key otherwise). keep_last=K keeps the K newest checkpoints in
+    DIR and deletes older ones (never the one just written); None keeps everything."""
+    from .saving import save as _save
+
+    return _save(engine, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+
+
+def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict | None:
+    """Load DIR/TAG (default: DIR/latest; DIR may also be a checkpoint directory itself)
+    on all ranks together, whatever world size and stage it was saved with. Returns its
+    client_state, or None when DIR holds no checkpoint. Raises CheckpointError, on every
+    rank, for a missing, incomplete, corrupt or mismatched checkpoint."""
+    from .loading import load as _load
+
+    return _load(engine, directory, tag=tag, verify=verify)
+
+
+def verify_checkpoint(path, tag: str | None = None) -> dict:
+    """Single-process full check (sizes, sha256, coverage, structure); the manifest."""
+    from .directory import resolve as _resolve
+    from .verify import verify_checkpoint as _verify
+
+    ckpt = _resolve(path, tag)
+    if ckpt is None:
+        raise CheckpointError(f"{path}: no checkpoint here")
+    return _verify(ckpt)
+
+
+def resolve(path, tag: str | None = None) -> str | None:
+    from .directory import resolve as _resolve
+
+    return _resolve(path, tag)
+
+
+def read_manifest(ckpt) -> dict:
+    from .verify import read_manifest as _read
+
+    return _read(ckpt)

@@ -1,0 +1,157 @@
+"""The checkpoint directory: atomic publication, the `latest` pointer, rotation, lookup.
+
+DIR/
+  latest                 one line: the tag of the newest complete checkpoint
+  TAG/                   complete checkpoints (manifest.json, index.h5, rank-*.h5)
+  .tmp-TAG-XXXX/         a save in progress, or the remains of one that crashed
+  .old-TAG-XXXX/         a checkpoint moved aside while TAG is being replaced
+
+Crash safety comes from ordering: a checkpoint directory only ever appears under its
+tag by rename(2) after every file in it is fsynced, and `latest` is replaced by rename
+after that. Saving over an existing TAG needs two renames (TAG -> .old-TAG-X, then the
+new one -> TAG); between them `latest` may name a TAG that is absent, so lookup falls
+back to the newest complete .old-TAG-* (the previous checkpoint, intact).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+
+from . import format as fmt
+from .format import CheckpointError
+
+
+def publish(directory: str, tmp: str, tag: str) -> str:
+    """Move the finished tmp dir to DIR/TAG (replacing an older TAG), then point
+    `latest` at it. Every step is durable before the next one starts."""
+    fmt.fsync_path(tmp)
+    final = os.path.join(directory, tag)
+    old = None
+    if os.path.lexists(final):
+        old = os.path.join(directory, f"{fmt.OLD_PREFIX}{tag}-{secrets.token_hex(4)}")
+        os.rename(final, old)
+        fmt.fsync_path(directory)
+    os.rename(tmp, final)
+    fmt.fsync_path(directory)
+    write_latest(directory, tag)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_latest(directory: str, tag: str) -> None:
+    tmp = os.path.join(directory, f".{fmt.LATEST}.tmp-{secrets.token_hex(4)}")
+    fmt.write_file_durably(tmp, (tag + "\n").encode())
+    os.replace(tmp, os.path.join(directory, fmt.LATEST))
+    fmt.fsync_path(directory)
+
+
+def cleanup(directory: str) -> None:
+    """Remove what crashed saves left behind (called after a successful save only, so
+    an in-flight save of another job in the same DIR is not supported)."""
+    for entry in os.listdir(directory):
+        p = os.path.join(directory, entry)
+        if entry.startswith((fmt.TMP_PREFIX, fmt.OLD_PREFIX)) and os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif entry.startswith(f".{fmt.LATEST}.tmp-"):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+
+def _created(path: str) -> int | None:
+    """Creation stamp of a complete checkpoint directory, None if it is not one."""
+    try:
+        with open(os.path.join(path, fmt.MANIFEST), "rb") as f:
+            return int(fmt.unseal(f.read(), path)["created_ns"])
+    except (OSError, CheckpointError, KeyError, ValueError, TypeError):
+        return None
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(created_ns, tag) of the complete checkpoints in DIR, oldest first."""
+    out = []
+    for entry in os.listdir(directory):
+        p = os.path.join(directory, entry)
+        if entry.startswith(".") or not os.path.isdir(p):
+            continue
+        stamp = _created(p)
+        if stamp is not None:
+            out.append((stamp, entry))
+    return sorted(out)
+
+
+def rotate(directory: str, keep_last: int, current: str) -> list[str]:
+    """Keep the `keep_last` newest checkpoints (never removing `current`); returns the
+    removed tags. Only directories holding a valid zerompi manifest are candidates."""
+    if keep_last is None or keep_last <= 0:
+        return []
+    ckpts = [t for _, t in list_checkpoints(directory)]
+    doomed = [t for t in ckpts[:max(0, len(ckpts) - keep_last)] if t != current]
+    for t in doomed:
+        # Rename first: a crash mid-delete leaves a hidden dir that cleanup() removes,
+        # never a half-deleted checkpoint under a visible tag.
+        aside = os.path.join(directory, f"{fmt.TMP_PREFIX}rm-{t}-{secrets.token_hex(4)}")
+        os.rename(os.path.join(directory, t), aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    return doomed
+
+
+def read_latest(directory: str) -> str | None:
+    """The tag in DIR/latest; None when there is no such file; CheckpointError if garbage."""
+    path = os.path.join(directory, fmt.LATEST)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    try:
+        return fmt.check_tag(raw.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{path}: does not name a checkpoint tag "
+                              f"(content {raw[:60]!r}); pass tag= explicitly") from None
+
+
+def resolve(path: str, tag: str | None = None) -> str | None:
+    """Directory of the checkpoint to load.
+
+    `path` is DIR (then `tag`, or else DIR/latest, picks the checkpoint) or a checkpoint
+    directory DIR/TAG itself. None when DIR holds no checkpoint at all (fresh start)."""
+    path = os.path.abspath(os.fspath(path))
+    if tag is None and os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+        return path
+    if tag is None:
+        if not os.path.isdir(path):
+            return None
+        tag = read_latest(path)
+        if tag is None:
+            if any(os.path.isfile(os.path.join(path, e, fmt.MANIFEST)) for e in os.listdir(path)
+                   if not e.startswith(".")):
+                raise CheckpointError(f"{os.path.join(path, fmt.LATEST)}: missing, but {path} "
+                                      "holds checkpoints; pass tag= explicitly")
+            return None
+        where = f"{os.path.join(path, fmt.LATEST)} names {tag!r}, but"
+    else:
+        fmt.check_tag(tag)
+        where = "checkpoint"
+    final = os.path.join(path, tag)
+    if os.path.isdir(final):
+        return final
+    # Interrupted replacement of TAG: the previous TAG sits aside, complete.
+    aside = [(s, p) for p in (os.path.join(path, e) for e in _listdir(path)
+                              if e.startswith(f"{fmt.OLD_PREFIX}{tag}-"))
+             if (s := _created(p)) is not None]
+    if aside:
+        return max(aside)[1]
+    raise CheckpointError(f"{where} {final} does not exist")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -1,0 +1,134 @@
+"""Collective, verified load at any world size and stage (all ranks call it together).
+
+1. rank 0 finds the checkpoint (tag or DIR/latest) and broadcasts manifest.json;
+2. every rank checks all file sizes and hashes its share of the files (file i on rank
+   i % M), checks piece coverage and that names/shapes match the model; the ranks
+   exchange their findings, so either all continue or all raise CheckpointError;
+3. every rank reads only the element ranges it owns now (engine.needed_pieces() via
+   fetch), from the rank files that hold them, and engine.import_state installs them.
+
+RNG: at the saved world size each rank restores its own torch/numpy/python RNG states.
+At another world size there is no meaningful mapping of old ranks to new ones, so every
+rank reseeds deterministically with seed = config.seed + 1000003 * (global_steps + 1)
+(+ rank, as at start-up): a resumed job is still reproducible run to run.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from .. import runtime
+from . import directory as dirs
+from . import format as fmt
+from . import verify as ver
+from .format import CheckpointError
+from .reader import PieceReader
+from .writer import model_tensors, module_tensors
+
+_MAX_MESSAGES = 8
+
+
+def _agree(comm, errors: list[str]) -> None:
+    everyone = comm.allgather_object(errors)
+    seen: list[str] = []
+    for errs in everyone:
+        for e in errs:
+            if e not in seen:
+                seen.append(e)
+    if seen:
+        more = f"\n  ... and {len(seen) - _MAX_MESSAGES} more" if len(seen) > _MAX_MESSAGES else ""
+        raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(seen[:_MAX_MESSAGES]) + more)
+
+
+def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
+    found = None
+    if comm.rank == 0:
+        try:
+            ckpt = dirs.resolve(directory, tag)
+            if ckpt is None:
+                found = ("none", None, None)
+            else:
+                path = os.path.join(ckpt, fmt.MANIFEST)
+                try:
+                    with open(path, "rb") as f:
+                        found = ("ok", ckpt, f.read())
+                except FileNotFoundError:
+                    raise CheckpointError(f"{path}: missing (not a complete zerompi checkpoint)") from None
+        except (CheckpointError, ValueError, OSError) as e:
+            found = ("error", str(e), None)
+    status, ckpt, text = comm.bcast_object(found)
+    if status == "error":
+        raise CheckpointError(ckpt)
+    return ckpt, text
+
+
+def _check(engine, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, list[str]]:
+    comm = engine.comm
+    try:
+        manifest = fmt.unseal(text, os.path.join(ckpt, fmt.MANIFEST))
+        manifest["_path"] = ckpt
+    except CheckpointError as e:
+        return None, [str(e)]
+    errors = ver.check_files(ckpt, manifest, (comm.rank, comm.size) if verify else None)
+    errors += ver.check_coverage(manifest)
+    missing = [k for k in engine.STATE_KINDS if k not in manifest["kinds"]]
+    if missing:
+        errors.append(f"{ckpt}: no {', '.join(missing)} state in the checkpoint")
+    errors += ver.check_model(manifest, model_tensors(engine))
+    saved = {n: tuple(t["shape"]) for n, t in manifest.get("module_tensors", {}).items()}
+    errors += ver.check_model({"tensors": {n: {"shape": s} for n, s in saved.items()}, "_path": ckpt},
+                              [(n, tuple(t.shape)) for n, t, _ in module_tensors(engine)],
+                              what="frozen parameter or buffer")
+    return manifest, errors
+
+
+def _restore_rng(rng: dict) -> None:
+    torch.set_rng_state(torch.from_numpy(np.array(rng["torch"], dtype=np.uint8)))
+    n = rng["numpy"]
+    np.random.set_state((n["alg"], np.array(rng["numpy_keys"], dtype=np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    version, internal, gauss_next = rng["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict | None:
+    """Load into `engine`; returns the saved client_state (None when DIR has no
+    checkpoint). verify=False skips the sha256 pass (sizes and structure still checked)."""
+    comm = engine.comm
+    ckpt, text = _locate(comm, directory, tag)
+    if ckpt is None:
+        return None
+    manifest, errors = _check(engine, ckpt, text, verify)
+    _agree(comm, errors)
+
+    same_world = manifest["world_size"] == comm.size
+    reader = PieceReader(ckpt, manifest)
+    try:
+        meta = own = None
+        errors = []
+        try:
+            meta = reader.rank_state(0)
+            own = reader.rank_state(comm.rank) if same_world else None
+            extra = {n: reader.module_tensor(n) for n in manifest.get("module_tensors", {})}
+        except CheckpointError as e:
+            errors.append(str(e))
+        _agree(comm, errors)
+
+        def fetch(kind: str, name: str, lo: int, hi: int) -> torch.Tensor:
+            return torch.from_numpy(reader.read(kind, name, lo, hi))
+
+        engine.import_state(fetch, meta["steps"], meta["param_groups"], meta["scaler"], meta["counters"])
+        with torch.no_grad():
+            for name, t, _ in module_tensors(engine):
+                t.copy_(torch.from_numpy(np.asarray(extra[name])).reshape(t.shape))
+    finally:
+        reader.close()
+    if same_world:
+        _restore_rng(own["rng"])
+    else:
+        seed = int(engine.config.seed) + 1000003 * (int(meta["counters"]["global_steps"]) + 1)
+        runtime.seed_everything(seed, comm.rank)
+    return manifest["client_state"]

@@ -1,0 +1,150 @@
+"""Collective, atomic save (all ranks call it together).
+
+1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
+2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
+3. each rank writes rank-XXXXX.h5, then fsyncs and hashes it (sha256) at once;
+4. the ranks exchange piece tables and errors (this is the barrier: every file is durable);
+5. rank 0 writes index.h5 and manifest.json, fsyncs them and the directory, renames it
+   to DIR/TAG, rewrites DIR/latest (tmp + rename + fsync), cleans up crashed saves and
+   applies keep_last; the outcome is broadcast so all ranks return or raise together.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+import warnings
+
+import h5py
+import torch
+
+from . import directory as dirs
+from . import format as fmt
+from .format import CheckpointError
+from .index import write_index
+from .verify import check_coverage
+from .writer import model_tensors, write_rank_file
+
+_PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _agree(comm, error: BaseException | None) -> None:
+    """All ranks raise if any rank failed: same exception class, that rank's message."""
+    errs = comm.allgather_object(None if error is None else (type(error).__name__, str(error)))
+    for r, e in enumerate(errs):
+        if e is not None:
+            cls = {"TypeError": TypeError, "ValueError": ValueError}.get(e[0], CheckpointError)
+            raise cls(e[1] if comm.size == 1 else f"rank {r}: {e[1]}")
+
+
+def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp: str | None) -> dict:
+    from .. import __version__
+    from ..config import to_dict
+
+    tensors = {name: {"shape": list(shape), "link": fmt.link_name(name), "pieces": []}
+               for name, shape in model_tensors(engine)}
+    for r, info in enumerate(infos):
+        for name, shape, lo, hi, off in info["pieces"]:
+            tensors[name]["pieces"].append([r, lo, hi, off])
+    for t in tensors.values():
+        t["pieces"].sort(key=lambda p: p[1])
+    # Tied parameters are stored once under their first name; record the other names.
+    first, aliases = {}, {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) in first and first[id(p)] != name:
+            aliases[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    files = {fmt.rank_file(r): {"rank": r, "size": i["size"], "sha256": i["sha256"],
+                                "elements": i["elements"]} for r, i in enumerate(infos)}
+    cfg = engine.config
+    return {
+        "format": fmt.FORMAT, "format_version": fmt.VERSION, "tag": tag,
+        "created_ns": time.time_ns(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "zerompi_version": __version__, "torch_version": torch.__version__,
+        "h5py_version": h5py.version.version, "hdf5_version": h5py.version.hdf5_version,
+        "python_version": platform.python_version(),
+        "world_size": engine.comm.size, "stage": cfg.stage, "precision": cfg.precision,
+        "param_dtype": str(engine.dtype).replace("torch.", ""), "state_dtype": "float32",
+        "kinds": list(engine.STATE_KINDS), "lowp_kind": lowp,
+        "counters": infos[0]["counters"], "scaler": infos[0]["scaler"],
+        "config": to_dict(cfg),
+        "tensors": tensors, "module_tensors": infos[0]["module"], "aliases": aliases,
+        "files": files, "client_state": json.loads(client_json),
+    }
+
+
+def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
+         keep_last: int | None = None) -> str:
+    comm = engine.comm
+    rank = comm.rank
+    directory = os.path.abspath(os.fspath(directory))
+    err, client_json = None, None
+    try:
+        client_json = fmt.client_state_json(client_state)
+        tag = fmt.check_tag(f"step-{engine.global_steps}" if tag is None else tag)
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last={keep_last!r}: must be a positive int or None")
+    except (TypeError, ValueError) as e:
+        err = e
+    _agree(comm, err)
+
+    tmp = err = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide it from teammates
+        except OSError as e:
+            err = e
+    tmp, tag, msg = comm.bcast_object((tmp, tag, None if err is None else str(err)))
+    if msg:
+        raise CheckpointError(f"save_checkpoint: cannot create a directory in {directory}: {msg}")
+
+    lowp = fmt.lowp_kind(engine.config.precision)
+    info, err = None, None
+    try:
+        path = os.path.join(tmp, fmt.rank_file(rank))
+        info = write_rank_file(path, engine, tag, lowp)
+        info["sha256"], info["size"] = fmt.fsync_and_hash(path)
+    except Exception as e:  # disk full, permissions... : every rank must hear of it
+        err = e
+    infos = comm.allgather_object(info if err is None else {"error": f"{type(err).__name__}: {err}"})
+    bad = [(r, i["error"]) for r, i in enumerate(infos) if "error" in i]
+    if bad:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"save_checkpoint to {directory}/{tag}: rank {bad[0][0]}: {bad[0][1]}")
+
+    outcome = None
+    if rank == 0:
+        try:
+            manifest = _build_manifest(engine, tag, infos, client_json, lowp)
+            gaps = check_coverage(manifest)  # never publish what load would reject
+            if gaps:
+                raise RuntimeError("exported pieces do not cover the model: " + "; ".join(gaps[:4]))
+            index_path = os.path.join(tmp, fmt.INDEX)
+            write_index(index_path, manifest)
+            digest, size = fmt.fsync_and_hash(index_path)
+            manifest["index"] = {"file": fmt.INDEX, "size": size, "sha256": digest}
+            text = json.dumps(fmt.seal(manifest), indent=1).encode()
+            fmt.write_file_durably(os.path.join(tmp, fmt.MANIFEST), text)
+            final = dirs.publish(directory, tmp, tag)
+            outcome = ("ok", final)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = ("error", f"{type(e).__name__}: {e}")
+        if outcome[0] == "ok":
+            try:  # housekeeping: the checkpoint is already published, so only warn
+                dirs.cleanup(directory)
+                dirs.rotate(directory, keep_last, tag)
+            except OSError as e:
+                warnings.warn(f"checkpoint {outcome[1]} saved, but cleaning up {directory} failed: {e}")
+    status, value = comm.bcast_object(outcome)
+    if status != "ok":
+        raise CheckpointError(f"save_checkpoint to {directory}/{tag}: rank 0: {value}")
+    return value

@@ -1,0 +1,117 @@
+"""Write one rank's file: its pieces of every state kind, optimizer scalars, RNG states.
+
+Layout of rank-XXXXX.h5 (see docs/checkpoints.md):
+  /pieces                 compound table, one row per exported piece:
+                          name, shape (JSON), lo, hi (element range of the parameter,
+                          row-major: the global offsets), offset (into /state/<kind>)
+  /state/<kind>           fp32 1-D, the pieces concatenated, for kind in STATE_KINDS
+  /state/param_bf16       (bf16 runs) the same values in the custom bf16 type
+  /optimizer              attrs steps (JSON {name: step}), param_groups (JSON)
+  /rng/torch, /rng/numpy_keys  + attrs (numpy scalars, python state as JSON)
+  /module/<name>          rank 0 only: frozen parameters and buffers, full tensors
+  /                       attrs format, format_version, rank, world_size, tag,
+                          scaler (JSON), counters (JSON)
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import h5py
+import numpy as np
+import torch
+
+from . import format as fmt
+
+PIECE_DTYPE = np.dtype([("name", h5py.string_dtype()), ("shape", h5py.string_dtype()),
+                        ("lo", "<i8"), ("hi", "<i8"), ("offset", "<i8")])
+
+
+def model_tensors(engine) -> list[tuple[str, tuple]]:
+    """(name, full shape) of every trainable parameter, in model registration order (the
+    one place to adapt if an engine's parameters stop carrying their full shape)."""
+    shapes = {n: tuple(p.shape) for n, p in zip(engine.param_names, engine.params)}
+    return [(n, shapes[n]) for n, _ in engine.module.named_parameters() if n in shapes]
+
+
+def module_tensors(engine) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, 'frozen'|'buffer') for state the optimizer does not own: frozen
+    parameters and persistent buffers (BatchNorm statistics and the like)."""
+    trained = {id(p) for p in engine.params}
+    out = []
+    for name, p in engine.module.named_parameters(remove_duplicate=True):
+        if id(p) not in trained:
+            out.append((name, p.detach(), "frozen"))
+    for name, b in engine.module.state_dict(keep_vars=True).items():
+        if not isinstance(b, torch.nn.Parameter) and isinstance(b, torch.Tensor):
+            out.append((name, b.detach(), "buffer"))
+    return out
+
+
+def _storable(t: torch.Tensor) -> np.ndarray:
+    """numpy array for HDF5: 16-bit floats widen to fp32 (exact); other dtypes as they are."""
+    t = t.cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def _rng_state() -> dict:
+    alg, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state().numpy(), "numpy_keys": np.asarray(keys, np.uint32),
+            "numpy": json.dumps({"alg": alg, "pos": int(pos), "has_gauss": int(has_gauss),
+                                 "cached_gaussian": float(cached)}),
+            "python": json.dumps([version, list(internal), gauss_next])}
+
+
+def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
+    """Write this rank's file (the caller fsyncs and hashes it). Returns what the manifest needs:
+    {"pieces": [(name, shape, lo, hi, offset)], "elements": n, "module": {...}}."""
+    state = engine.export_state()
+    rank, world = engine.comm.rank, engine.comm.size
+    pieces, off = [], 0
+    for name, shape, lo, hi in state["pieces"]:
+        pieces.append((name, [int(d) for d in shape], int(lo), int(hi), off))
+        off += int(hi) - int(lo)
+    module_info = {}
+    with h5py.File(path, "w", libver=fmt.LIBVER, locking=False) as f:
+        f.attrs.update({"format": fmt.FORMAT, "format_version": fmt.VERSION, "rank": rank,
+                        "world_size": world, "tag": tag,
+                        "scaler": json.dumps(state["scaler"]),
+                        "counters": json.dumps(state["counters"])})
+        table = np.array([(n, json.dumps(s), lo, hi, o) for n, s, lo, hi, o in pieces], dtype=PIECE_DTYPE)
+        f.create_dataset("pieces", data=table, shape=(len(pieces),), dtype=PIECE_DTYPE)
+        g = f.create_group(fmt.STATE_GROUP)
+        for kind, t in state["tensors"].items():
+            vals = t.detach().to(torch.float32).contiguous()
+            if vals.numel() != off:
+                raise RuntimeError(f"export_state: {kind} has {vals.numel()} values for {off} piece elements")
+            g.create_dataset(kind, data=vals.numpy(), shape=(off,), dtype="<f4")
+            if kind == "param" and lowp:
+                # Rounded like the engine's own fp32 -> bf16/fp16 working copy (round to nearest).
+                bits = vals.to(torch.bfloat16 if lowp == "param_bf16" else torch.float16).view(torch.int16)
+                space = h5py.h5s.create_simple((off,))
+                dset = h5py.h5d.create(g.id, lowp.encode(), fmt.lowp_h5type(lowp), space)
+                if off:
+                    dset.write(h5py.h5s.ALL, h5py.h5s.ALL, bits.numpy(), mtype=fmt.lowp_h5type(lowp))
+        opt = f.create_group("optimizer")
+        opt.attrs["steps"] = json.dumps({k: int(v) for k, v in state["steps"].items()})
+        opt.attrs["param_groups"] = json.dumps(state["param_groups"])
+        rng = _rng_state()
+        rg = f.create_group("rng")
+        rg.create_dataset("torch", data=rng["torch"])
+        rg.create_dataset("numpy_keys", data=rng["numpy_keys"])
+        rg.attrs["numpy"], rg.attrs["python"] = rng["numpy"], rng["python"]
+        if rank == 0:
+            mg = f.create_group(fmt.MODULE_GROUP)
+            for name, t, role in module_tensors(engine):
+                arr = _storable(t)
+                d = mg.create_dataset(fmt.link_name(name), data=arr, shape=arr.shape, dtype=arr.dtype)
+                d.attrs.update({"name": name, "torch_dtype": str(t.dtype).replace("torch.", ""), "role": role})
+                module_info[name] = {"shape": list(arr.shape), "dtype": arr.dtype.str,
+                                     "torch_dtype": str(t.dtype).replace("torch.", ""),
+                                     "role": role, "link": fmt.link_name(name)}
+        summary = {"counters": dict(state["counters"]), "scaler": dict(state["scaler"])}
+        del state
+    return dict(summary, pieces=pieces, elements=off, module=module_info)

@@ -1,0 +1,189 @@
+"""Consolidate a sharded checkpoint into one state dict, one tensor in memory at a time.
+
+    python -m zerompi.export CKPT OUT [--dtype fp32|bf16] [--format torch|safetensors|both]
+
+CKPT: DIR/TAG or DIR (then DIR/latest). OUT: a directory; it receives model.safetensors
+and/or model.pt (a torch.save'd {name: tensor} dict) plus export.json (source, step,
+names, shapes, tied-parameter aliases). Keys are those of model.named_parameters()
+(tied parameters once, as engine.full_state_dict()) followed by persistent buffers.
+
+Memory. safetensors is written by hand (8-byte little-endian header length, JSON
+header, raw little-endian bytes) and streamed: one tensor's values are assembled from
+the rank files, written, and dropped. torch.save can only write a whole dict, so the
+torch format is produced from the safetensors file: every tensor is a view of an mmap
+of it, and torch.save reads them through the page cache. Resident memory is then
+file-backed pages the kernel can drop, not a second copy of the model; the cost is
+writing the data twice (for --format torch a temporary safetensors file is removed
+afterwards). Verification (sizes, sha256) runs first unless --no-verify.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import struct
+import sys
+import warnings
+
+import numpy as np
+
+from .checkpoint import verify as ver
+from .checkpoint.directory import resolve
+from .checkpoint.format import CheckpointError
+from .checkpoint.reader import PieceReader
+
+_ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_ITEMSIZE = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape)) if shape else 1
+
+
+def plan(m: dict, dtype: str) -> list[dict]:
+    """Tensor list in output order: name, shape, safetensors dtype, source."""
+    out = []
+    for name, t in m["tensors"].items():
+        out.append({"name": name, "shape": list(t["shape"]), "st": "BF16" if dtype == "bf16" else "F32",
+                    "src": "param"})
+    for name, t in m.get("module_tensors", {}).items():
+        np_name = np.dtype(t["dtype"]).name
+        st = _ST_DTYPES.get(np_name)
+        if st is None:
+            raise CheckpointError(f"buffer {name}: dtype {np_name} has no safetensors equivalent")
+        if np.dtype(t["dtype"]).kind == "f" and t["torch_dtype"] != "float64":
+            st = "BF16" if dtype == "bf16" else "F32"
+        out.append({"name": name, "shape": list(t["shape"]), "st": st, "src": "module"})
+    return out
+
+
+def _tensor_bytes(reader: PieceReader, m: dict, item: dict) -> np.ndarray:
+    """The tensor's bytes in its output dtype (the only large allocation)."""
+    if item["src"] == "param":
+        vals = reader.read("param", item["name"], 0, _numel(item["shape"]))
+    else:
+        vals = np.ascontiguousarray(reader.module_tensor(item["name"])).ravel()
+    if item["st"] == "BF16":
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).to(torch.bfloat16) \
+            .view(torch.int16).numpy()
+    if item["st"] == "F32":
+        return vals.astype(np.float32, copy=False)
+    return vals
+
+
+def write_safetensors(path: str, reader: PieceReader, m: dict, items: list[dict], metadata: dict) -> None:
+    header, pos = {}, 0
+    for it in items:
+        n = _numel(it["shape"]) * _ITEMSIZE[it["st"]]
+        header[it["name"]] = {"dtype": it["st"], "shape": it["shape"], "data_offsets": [pos, pos + n]}
+        pos += n
+    header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for it in items:
+            data = _tensor_bytes(reader, m, it)
+            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            del data
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """(header, offset of the data section)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def write_torch(path: str, st_path: str) -> None:
+    """torch.save a {name: tensor} dict whose tensors are views of an mmap of st_path."""
+    import torch
+
+    tdt = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+    header, base = read_safetensors_header(st_path)
+    with open(st_path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        sd, t = {}, None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: torch.save only reads it
+            for name, h in header.items():
+                if name == "__metadata__":
+                    continue
+                a, b = h["data_offsets"]
+                t = torch.frombuffer(mm, dtype=tdt[h["dtype"]], count=(b - a) // _ITEMSIZE[h["dtype"]],
+                                     offset=base + a) if b > a else torch.empty(0, dtype=tdt[h["dtype"]])
+                sd[name] = t.view(h["shape"])
+        tmp = path + ".partial"
+        torch.save(sd, tmp)
+        sd, t = None, None  # drop the views so the mapping can close
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            pass
+
+
+def export(ckpt_path: str, out: str, dtype: str = "fp32", fmt_: str = "safetensors",
+           tag: str | None = None, verify: bool = True) -> list[str]:
+    ckpt = resolve(ckpt_path, tag)
+    if ckpt is None:
+        raise CheckpointError(f"{ckpt_path}: no checkpoint here")
+    m = ver.verify_checkpoint(ckpt) if verify else ver.read_manifest(ckpt)
+    os.makedirs(out, exist_ok=True)
+    items = plan(m, dtype)
+    meta = {"format": "pt", "source": ckpt, "tag": m["tag"], "global_steps": m["counters"]["global_steps"],
+            "dtype": dtype, "zerompi_version": m["zerompi_version"]}
+    st_path = os.path.join(out, "model.safetensors" if fmt_ in ("safetensors", "both") else ".model.safetensors.tmp")
+    written = []
+    with PieceReader(ckpt, m) as reader:
+        write_safetensors(st_path, reader, m, items, meta)
+    if fmt_ in ("safetensors", "both"):
+        written.append(st_path)
+    if fmt_ in ("torch", "both"):
+        pt = os.path.join(out, "model.pt")
+        write_torch(pt, st_path)
+        written.append(pt)
+        if fmt_ == "torch":
+            os.unlink(st_path)
+    info = dict(meta, tensors={it["name"]: {"shape": it["shape"], "dtype": it["st"]} for it in items},
+                aliases=m.get("aliases", {}), files=[os.path.basename(w) for w in written])
+    with open(os.path.join(out, "export.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zerompi.export", description=__doc__.split("\n")[0])
+    ap.add_argument("ckpt", help="checkpoint directory DIR/TAG, or DIR (uses DIR/latest)")
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--tag")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--format", choices=("torch", "safetensors", "both"), default="safetensors")
+    ap.add_argument("--no-verify", action="store_true", help="skip the sha256 pass")
+    a = ap.parse_args(argv)
+    try:
+        for path in export(a.ckpt, a.out, a.dtype, a.format, a.tag, verify=not a.no_verify):
+            print(f"wrote {path} ({os.path.getsize(path)} bytes)")
+    except (CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
