@@ -64,7 +64,8 @@ class ZeroEngine:
         self.param_groups = groups
         group_of = [owner.get(id(p), 0) for p in self.params]
 
-        self._check_same_everywhere(cfg, trainable)
+        runtime.check_same_everywhere(comm, config_mod.to_dict(cfg),
+                                      [(n, tuple(p.shape)) for n, p in trainable])
         self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world,
                                           cfg.bucket_size, cfg.alignment, units=units)
         if cfg.stage == 0:  # plain DP: every rank "owns" every block
@@ -133,19 +134,6 @@ class ZeroEngine:
         return master, grad, (self.flat_param[lo:hi] if self.mixed else None)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _check_same_everywhere(self, cfg: ZeroConfig, trainable) -> None:
-        """Ranks with different models or configs would issue mismatched collectives
-        (a hang or garbage); compare once at set-up and fail on every rank instead."""
-        mine = (config_mod.to_dict(cfg), [(n, tuple(p.shape)) for n, p in trainable])
-        everyone = self.comm.allgather_object(mine)
-        for r, theirs in enumerate(everyone):
-            if theirs[0] != everyone[0][0]:
-                diff = sorted(k for k in theirs[0] if theirs[0][k] != everyone[0][0].get(k))
-                raise ValueError(f"rank {r} has a different config than rank 0 (keys: {', '.join(diff)})")
-            if theirs[1] != everyone[0][1]:
-                first = next((a, b) for a, b in zip(theirs[1] + [None] * 9, everyone[0][1] + [None] * 9) if a != b)
-                raise ValueError(f"rank {r} has a different model than rank 0: parameter {first[0]} vs {first[1]}")
-
     def _sync_untracked(self, model: nn.Module, tracked: set[int]) -> None:
         """Broadcast frozen parameters and buffers from rank 0; cast floating ones to the
         compute dtype, as module.to(dtype) would (DeepSpeed does the same)."""

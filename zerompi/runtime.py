@@ -85,6 +85,22 @@ def release_free_memory() -> None:
         pass
 
 
+def check_same_everywhere(comm, config: dict, shapes: list) -> None:
+    """Ranks with different configs or models would issue mismatched collectives (a hang
+    or garbage): compare once at set-up (one pickled allgather) and raise on every rank,
+    naming the first differing rank and key or parameter."""
+    everyone = comm.allgather_object((config, shapes))
+    ref_cfg, ref_shapes = everyone[0]
+    for r, (cfg, shp) in enumerate(everyone):
+        if cfg != ref_cfg:
+            keys = sorted(k for k in cfg if cfg[k] != ref_cfg.get(k))
+            raise ValueError(f"rank {r} has a different config than rank 0 (keys: {', '.join(keys)})")
+        if shp != ref_shapes:
+            pad = [None] * (abs(len(shp) - len(ref_shapes)) + 1)
+            mine, ref = next((x, y) for x, y in zip(shp + pad, ref_shapes + pad) if x != y)
+            raise ValueError(f"rank {r} has a different model than rank 0: parameter {mine} vs {ref}")
+
+
 def seed_everything(seed: int, rank: int) -> None:
     """Seed python, numpy and torch with seed + rank (dropout/data differ per rank;
     model initialisation is made identical by a broadcast from rank 0, not by seeds)."""
