@@ -230,7 +230,9 @@ wait "$srun_pid"; rc=$?
 echo "BATCH srun rc=$rc got_usr1=$got_usr1"
 # As in slurm/cpu.sbatch: requeue only on the trainer's "stopped, requeue me" code.
 if [ "$rc" -eq {REQUEUE_EXIT} ]; then
-    scontrol requeue "$SLURM_JOB_ID" && echo "BATCH requeued"
+    # Echo first: the requeue can kill this shell before scontrol returns.
+    echo "BATCH requeueing"
+    scontrol requeue "$SLURM_JOB_ID"
     exit 0
 fi
 exit "$rc"
@@ -265,7 +267,7 @@ def test_signal_then_requeue(slurm_cluster, tmp_path):
         [r"^BATCH got USR1$"],
         [rf"^MARK rank={r} size=2 restart=0 stopping local_usr1=[1-9]" for r in (0, 1)],
         [rf"^BATCH srun rc={REQUEUE_EXIT} got_usr1=1$"],
-        [r"^BATCH requeued$"],
+        [r"^BATCH requeueing$"],
         [r"^BATCH start restart=1$"],
         [rf"^MARK rank={r} size=2 restart=1 resumed$" for r in (0, 1)],
         [r"^BATCH srun rc=0 got_usr1=0$"],
@@ -445,7 +447,7 @@ def test_train_signal_checkpoint_requeue_resume(slurm_cluster, tmp_path):
         r"restart 0: USR1 \(time limit near\): relaying to the ranks",
         rf"^zerompi\.train: SIGUSR1 received: checkpoint of step {k} saved",
         rf"restart 0: srun exited with {REQUEUE_EXIT} \(USR1 received: 1\)",
-        r"restart 0: checkpointed; requeued",
+        r"restart 0: checkpointed; requeueing",
         r"restart 1: 2 ranks",
         rf"^zerompi\.train: run_dir \S+; resumed at step {k}\b",
         rf"^zerompi\.train: done, {k + 10} steps",

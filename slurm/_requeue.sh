@@ -1,0 +1,77 @@
+# Shared by the zerompi sbatch templates (sourced, not submitted): run the training
+# step, relay the time-limit warning to it, and requeue the job when the trainer asks.
+#
+#   . "$ZEROMPI_SLURM_DIR/_requeue.sh"
+#   zerompi_run srun --mpi=pmi2 --kill-on-bad-exit=1 python -m zerompi.train ...
+#   zerompi_requeue_or_exit "$ZEROMPI_RC"
+#
+# Why a relay: `#SBATCH --signal=B:USR1@T` sends USR1 to the batch shell only (srun and
+# the ranks never see it). The trap below passes it to srun, which forwards it to every
+# rank; zerompi.train then checkpoints (all ranks at the same step) and exits 124.
+# The batch shell is read from the spool copy made at submission, but this file is read
+# when each run starts: edits here reach jobs already in the queue.
+
+# zerompi.train's "stopped by a signal after a checkpoint: requeue me" exit code.
+ZEROMPI_REQUEUE_EXIT=124
+# Give up after this many requeues (a job that crashes right after each resume would
+# otherwise cycle forever). Override at submission: MAX_RESTARTS=50 sbatch ...
+MAX_RESTARTS=${MAX_RESTARTS:-10}
+
+zerompi_log() {
+    echo "[$(date -Is)] job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0}: $*"
+}
+
+_zerompi_on_usr1() {
+    _zerompi_usr1=1
+    zerompi_log "USR1 (time limit near): relaying to the ranks, which checkpoint and stop"
+    if [ -n "$_zerompi_pid" ]; then
+        kill -USR1 "$_zerompi_pid" 2>/dev/null
+    fi
+}
+
+# zerompi_run CMD [ARGS...]: run CMD (an srun line) with USR1 relayed to it; its exit
+# status ends up in ZEROMPI_RC. CMD runs in the background because bash runs a trap
+# only between commands: a foreground srun would delay the relay until it had exited.
+zerompi_run() {
+    _zerompi_usr1=0
+    _zerompi_pid=
+    # Only USR1: no TERM trap, so `scancel` ends the job instead of requeueing it.
+    trap _zerompi_on_usr1 USR1
+    zerompi_log "running: $*"
+    "$@" &
+    _zerompi_pid=$!
+    # A signal that arrived before srun existed is passed on now.
+    if [ "$_zerompi_usr1" = 1 ]; then
+        kill -USR1 "$_zerompi_pid" 2>/dev/null
+    fi
+    # A trapped signal cuts `wait` short (status > 128) while srun runs on: wait until
+    # it is really gone, then collect its status (bash keeps it for one more `wait`).
+    while kill -0 "$_zerompi_pid" 2>/dev/null; do
+        wait "$_zerompi_pid"
+    done
+    wait "$_zerompi_pid"
+    ZEROMPI_RC=$?
+    trap - USR1
+    zerompi_log "srun exited with $ZEROMPI_RC (USR1 received: $_zerompi_usr1)"
+}
+
+# zerompi_requeue_or_exit RC: end the batch script. On the trainer's requeue code, put the
+# job back in the queue (same job id, SLURM_RESTART_COUNT + 1, same --output log with
+# --open-mode=append); the next run resumes from the run dir's newest checkpoint.
+zerompi_requeue_or_exit() {
+    local rc=$1 restart=${SLURM_RESTART_COUNT:-0}
+    if [ "$rc" -eq "$ZEROMPI_REQUEUE_EXIT" ]; then
+        if [ "$restart" -ge "$MAX_RESTARTS" ]; then
+            zerompi_log "not requeueing: already restarted $restart times (MAX_RESTARTS=$MAX_RESTARTS)"
+            exit "$rc"
+        fi
+        # Logged first: the requeue can end this run before `scontrol` even returns.
+        zerompi_log "checkpointed; requeueing"
+        if scontrol requeue "$SLURM_JOB_ID"; then
+            exit 0
+        fi
+        zerompi_log "scontrol requeue failed (submitted without --requeue, or the site forbids it);" \
+                    "resubmit to continue from the checkpoint"
+    fi
+    exit "$rc"
+}
