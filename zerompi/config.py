@@ -294,11 +294,13 @@ def _plain(obj: Any) -> Any:
 
 
 def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
-         overrides: "Mapping[str, Any] | Sequence[str] | None" = None) -> ZeroConfig:
-    """Build a ZeroConfig from a config, dict or file path plus dotted overrides."""
+         overrides: "Mapping[str, Any] | Sequence[str] | None" = None, cls: type = None):
+    """Build a config (default ZeroConfig; any config dataclass via `cls`) from an
+    instance, dict or file path plus dotted overrides."""
+    cls = ZeroConfig if cls is None else cls
     if source is None:
         data: dict = {}
-    elif isinstance(source, ZeroConfig):
+    elif isinstance(source, cls):
         data = _to_dict(source)
     elif isinstance(source, Mapping):
         # deep copy, tuples -> lists; nested section configs (OptimizerConfig(...)) -> dicts
@@ -310,7 +312,7 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
             overrides = parse_overrides(overrides)
         for k, v in overrides.items():
             _set_dotted(data, k, v)
-    return _build(ZeroConfig, data)
+    return _build(cls, data)
 
 
 def to_dict(cfg: ZeroConfig) -> dict:

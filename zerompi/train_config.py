@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .config import ZeroConfig, _build, _fail, _set_dotted, parse_overrides, read_file
+from . import config
+from .config import ZeroConfig, _fail, parse_overrides
 
 
 @dataclass(frozen=True)
@@ -147,18 +148,7 @@ class TrainConfig:
 def load(source: "str | os.PathLike | dict | None" = None,
          overrides: "dict[str, Any] | Sequence[str] | None" = None) -> TrainConfig:
     """TrainConfig from a TOML/JSON file or dict plus dotted overrides."""
-    if source is None:
-        data: dict = {}
-    elif isinstance(source, dict):
-        data = json.loads(json.dumps(source))
-    else:
-        data = read_file(source)
-    if overrides:
-        if not isinstance(overrides, dict):
-            overrides = parse_overrides(overrides)
-        for k, v in overrides.items():
-            _set_dotted(data, k, v)
-    return _build(TrainConfig, data)
+    return config.load(source, overrides, cls=TrainConfig)
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:
