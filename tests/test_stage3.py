@@ -9,7 +9,7 @@ def test_init_builds_partitioned_and_identical(tmp_path):
     through torch.nn.init), GatheredParameters reads full values before the engine exists
     and writes rank 0's edit back to every shard afterwards, and a step trains."""
     r = run_worker(3, "stage3_init", ["--mode", "init"], tmp_path)
-    for kind in ("gpt", "shapes"):
+    for kind in ("gpt", "shapes", "raw"):  # raw: values set by the constructor alone
         d = r[kind]
         assert d["full_bytes"] == 0, d
         assert d["piece"] <= d["psi"] / 3 + 3 * 20, d  # 1/N plus per-parameter rounding

@@ -33,17 +33,15 @@ class _PieceOf:
     """This rank's piece of one parameter built under Init (the engine takes it over)."""
 
     def __init__(self, full: torch.Tensor, rank: int, world: int):
-        self.numel, self.shape, self.world = full.numel(), full.shape, world
+        self.numel, self.shape, self.rank, self.world = full.numel(), full.shape, rank, world
         self.chunk = -(-self.numel // world)
         self.piece = torch.zeros(self.chunk, dtype=torch.float32)
         self.keep(full)
-        self.rank = rank
 
     def keep(self, full: torch.Tensor) -> None:
+        """Keep this rank's piece of the full values."""
         flat = full.detach().reshape(-1).float()
-        lo = self._lo = getattr(self, "rank", None)
-        r = lo if lo is not None else 0
-        seg = flat[r * self.chunk:(r + 1) * self.chunk]
+        seg = flat[self.rank * self.chunk:(self.rank + 1) * self.chunk]
         self.piece.zero_()
         self.piece[:seg.numel()].copy_(seg)
 
