@@ -37,3 +37,10 @@ def test_bad_input_gives_clear_error_without_hanging(mode, needle):
     r = _run(3, mode)
     assert needle in r.stdout, r.stdout[-3000:]
     assert r.elapsed < 10, r.elapsed
+
+
+def test_unimplemented_backend_is_a_clear_config_error():
+    import zerompi.comm
+
+    with pytest.raises(ValueError, match="config key 'comm.backend' = 'nccl'"):
+        zerompi.comm.create(backend="nccl")

@@ -99,7 +99,7 @@ class Stage3Engine(ZeroEngine):
         self.grad_shard = torch.zeros(owned, dtype=grad_dtype)
         self.units: list[_Unit] = []
         self._unit_of: dict[int, _Unit] = {}
-        own_by_block = {c.block: c for c in self.own}
+        self._own_by_block = own_by_block = {c.block: c for c in self.own}
         for u, (blocks, span, params) in enumerate(zip(lay.unit_blocks, lay.unit_spans, lay.unit_params)):
             unit = _Unit(u, self._unit_names[u], list(params), blocks, span, self._unit_persistent[u])
             # Identical start everywhere, one unit at a time: values come from the
@@ -167,7 +167,7 @@ class Stage3Engine(ZeroEngine):
         if u.state != "free":
             return
         _alloc(u.full)
-        own = {c.block: c for c in self.own}
+        own = self._own_by_block
         u.handles = []
         for k in u.blocks:
             c = own[k]
@@ -294,7 +294,7 @@ class Stage3Engine(ZeroEngine):
         src = self.master if self.mixed else self.shard_param
         for u in self.units:
             buf = torch.empty(u.size, dtype=torch.float32) if (all_ranks or self.rank == 0) else None
-            own = {c.block: c for c in self.own}
+            own = self._own_by_block
             for k in u.blocks:
                 c = own[k]
                 s, e = self.layout.blocks[k]
@@ -349,7 +349,7 @@ class Stage3Engine(ZeroEngine):
         try:
             yield
         finally:
-            own = {c.block: c for c in self.own}
+            own = self._own_by_block
             for u in units:
                 if modifier_rank is not None:
                     self.comm.broadcast(u.full, root=modifier_rank)

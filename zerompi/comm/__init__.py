@@ -11,11 +11,10 @@ from .mpi import MPICommunicator
 def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", device=None):
     """A communicator over `world` (an mpi4py communicator; COMM_WORLD if None).
 
-    backend 'auto' is MPI for CPU tensors; the NCCL backend lives in comm/nccl.py."""
+    backend 'auto' is MPI (CPU tensors); an NCCL backend for GPU tensors is issue 4."""
     if backend == "nccl":
-        from .nccl import NCCLCommunicator  # noqa: F401  (GPU only)
-
-        raise NotImplementedError("config key 'comm.backend' = 'nccl': not available in this build")
+        raise ValueError("config key 'comm.backend' = 'nccl': the NCCL backend is not implemented "
+                         "yet (issue 4); use 'mpi' or 'auto'")
     return MPICommunicator(world, reduce_scatter=reduce_scatter)
 
 
