@@ -5,7 +5,7 @@ import pytest
 def slurm_cluster():
     """A private single-node Slurm cluster on 127.0.0.1 (see tests/slurm_cluster.py).
 
-    Skips when Slurm/munge are not installed (.ci/install_slurm.sh) or we are not root;
+    Skips when Slurm/munge are not installed (.ci/install_debian.sh) or we are not root;
     fails if they are installed but the cluster does not come up.
     """
     from slurm_cluster import SlurmCluster, slurm_available

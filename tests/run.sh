@@ -9,8 +9,7 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[mpich,test]"
 # System packages for the real-Slurm and h5ls/h5dump tests (they skip where these cannot
 # be installed, e.g. without root).
-bash .ci/install_slurm.sh
-bash .ci/install_hdf5_tools.sh
+bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools
 
 export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 exec python -m pytest -q -rs tests "$@"

@@ -12,7 +12,7 @@ children so we know their PIDs and can always stop them.
 An explicit workdir must be reachable by user munge (pytest's tmp_path is not:
 its parents are 0700).
 
-Install the packages with .ci/install_slurm.sh.
+Install the packages with .ci/install_debian.sh (see tests/run.sh).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def slurm_available() -> tuple[bool, str]:
     """(True, "") when a private cluster can be started here, else (False, why)."""
     missing = [n for n in DAEMONS + CLIENTS if _find(n) is None]
     if missing:
-        return False, ("Slurm/munge not installed (missing %s); run .ci/install_slurm.sh"
+        return False, ("Slurm/munge not installed (missing %s); run .ci/install_debian.sh slurmctld slurmd slurm-client munge"
                        % ", ".join(missing))
     if os.geteuid() != 0:
         # slurmd must be root to start job steps (setuid, privileged spool).

@@ -369,7 +369,7 @@ def _h5dump_values(path, dataset):
 
 
 @pytest.mark.skipif(shutil.which("h5dump") is None or shutil.which("h5ls") is None,
-                    reason="h5ls/h5dump missing (Debian hdf5-tools; .ci/install_hdf5_tools.sh)")
+                    reason="h5ls/h5dump missing (Debian hdf5-tools; .ci/install_debian.sh hdf5-tools)")
 def test_h5ls_h5dump_read_full_tensors(base):
     """Plain HDF5 tools see every tensor at its full shape through index.h5, with the
     values the rank files hold (bitwise: %.9g round-trips fp32), and the bf16 copy in

@@ -1,5 +1,5 @@
 """MPI jobs under a real Slurm: a private one-node cluster on 127.0.0.1 (conftest's
-`slurm_cluster`, built by tests/slurm_cluster.py). Needs root and .ci/install_slurm.sh;
+`slurm_cluster`, built by tests/slurm_cluster.py). Needs root and .ci/install_debian.sh;
 skipped otherwise. About 2.5 minutes, much of it waiting for slurmctld's 30 s time-limit
 tick to deliver the --signal in the two requeue tests.
 
