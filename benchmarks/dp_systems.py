@@ -83,7 +83,7 @@ def build_system(args, gcfg, comm, marks: dict):
             torch.manual_seed(args.seed)
             model = GPT(gcfg)
         marks["rss_after_model"] = current_rss()
-        engine = zerompi.initialize(model, cfg, comm=None)
+        engine = zerompi.initialize(model, cfg)
 
         def step():
             engine.step()

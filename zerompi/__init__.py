@@ -18,21 +18,22 @@ __version__ = "0.1.0"
 runtime.install_abort_hook()
 
 
-def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, comm: Any = None,
+def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, dims: Any = None,
                param_groups: Sequence[dict] | None = None):
     """Wrap `model` in a ZeRO engine for `config` (a ZeroConfig, dict, or JSON/TOML path).
 
+    `dims` is the job's process grid (zerompi.parallel.ParallelDims); by default it is
+    built from the config over COMM_WORLD. ZeRO partitions over `dims.dp`.
     `param_groups` are torch-style groups ({"params": [...], "weight_decay": 0.0, ...});
-    parameters not listed use the config's optimizer settings. `comm` defaults to the
-    data-parallel group of COMM_WORLD."""
+    parameters not listed use the config's optimizer settings."""
     cfg = load_config(config)
     if cfg.stage == 3:
         from .stage3 import Stage3Engine
 
-        return Stage3Engine(model, cfg, comm=comm, param_groups=param_groups)
+        return Stage3Engine(model, cfg, dims=dims, param_groups=param_groups)
     from .engine import ZeroEngine
 
-    return ZeroEngine(model, cfg, comm=comm, param_groups=param_groups)
+    return ZeroEngine(model, cfg, dims=dims, param_groups=param_groups)
 
 
 _SUBMODULES = ("optim", "engine", "stage3", "checkpoint", "comm", "partition", "precision", "data")

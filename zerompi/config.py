@@ -18,8 +18,22 @@ from typing import Any, Mapping, Sequence
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+class ConfigError(ValueError):
+    """A bad config value. `key` is the dotted key from the table it was found in; a
+    loader that nests the table re-raises with its own prefix (`optimizer.lr` becomes
+    `zero.optimizer.lr` inside a TrainConfig), so the message names the key as the user
+    typed it."""
+
+    def __init__(self, key: str, value: Any, why: str):
+        self.key, self.value, self.why = key, value, why
+        super().__init__(f"config key '{key}' = {value!r}: {why}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.why)
+
+
 def _fail(key: str, value: Any, why: str) -> None:
-    raise ValueError(f"config key '{key}' = {value!r}: {why}")
+    raise ConfigError(key, value, why)
 
 
 @dataclass(frozen=True)
@@ -35,15 +49,15 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     """Decoupled weight decay (multiplies the parameter by 1 - lr * weight_decay)."""
 
-    def _validate(self, p: str) -> None:
+    def __post_init__(self) -> None:
         if not self.lr >= 0:
-            _fail(f"{p}.lr", self.lr, "must be >= 0")
+            _fail("lr", self.lr, "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            _fail(f"{p}.betas", self.betas, "must be two numbers in [0, 1)")
+            _fail("betas", self.betas, "must be two numbers in [0, 1)")
         if not self.eps > 0:
-            _fail(f"{p}.eps", self.eps, "must be > 0")
+            _fail("eps", self.eps, "must be > 0")
         if not self.weight_decay >= 0:
-            _fail(f"{p}.weight_decay", self.weight_decay, "must be >= 0")
+            _fail("weight_decay", self.weight_decay, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -61,17 +75,17 @@ class LossScaleConfig:
     factor: float = 2.0
     """Multiplier for raising and divisor for lowering the scale."""
 
-    def _validate(self, p: str) -> None:
+    def __post_init__(self) -> None:
         if not self.initial_scale > 0:
-            _fail(f"{p}.initial_scale", self.initial_scale, "must be > 0")
+            _fail("initial_scale", self.initial_scale, "must be > 0")
         if self.window < 1:
-            _fail(f"{p}.window", self.window, "must be >= 1")
+            _fail("window", self.window, "must be >= 1")
         if self.hysteresis < 1:
-            _fail(f"{p}.hysteresis", self.hysteresis, "must be >= 1")
+            _fail("hysteresis", self.hysteresis, "must be >= 1")
         if not 0 < self.min_scale <= self.initial_scale:
-            _fail(f"{p}.min_scale", self.min_scale, "must be in (0, initial_scale]")
+            _fail("min_scale", self.min_scale, "must be in (0, initial_scale]")
         if not self.factor > 1:
-            _fail(f"{p}.factor", self.factor, "must be > 1")
+            _fail("factor", self.factor, "must be > 1")
 
 
 @dataclass(frozen=True)
@@ -84,11 +98,11 @@ class CommConfig:
     """ordered: alltoall + sum in rank order, bitwise independent of bucket size;
     native: the library's reduce-scatter (faster on some fabrics, order not fixed)."""
 
-    def _validate(self, p: str) -> None:
+    def __post_init__(self) -> None:
         if self.backend not in ("auto", "mpi", "nccl"):
-            _fail(f"{p}.backend", self.backend, "must be one of auto, mpi, nccl")
+            _fail("backend", self.backend, "must be one of auto, mpi, nccl")
         if self.reduce_scatter not in ("ordered", "native"):
-            _fail(f"{p}.reduce_scatter", self.reduce_scatter, "must be ordered or native")
+            _fail("reduce_scatter", self.reduce_scatter, "must be ordered or native")
 
 
 @dataclass(frozen=True)
@@ -102,13 +116,13 @@ class Stage3Config:
     persistence_threshold: int = 0
     """Parameters with at most this many elements stay resident on every rank."""
 
-    def _validate(self, p: str) -> None:
+    def __post_init__(self) -> None:
         if self.prefetch_modules < 0:
-            _fail(f"{p}.prefetch_modules", self.prefetch_modules, "must be >= 0")
+            _fail("prefetch_modules", self.prefetch_modules, "must be >= 0")
         if self.max_live_parameters < 1:
-            _fail(f"{p}.max_live_parameters", self.max_live_parameters, "must be >= 1")
+            _fail("max_live_parameters", self.max_live_parameters, "must be >= 1")
         if self.persistence_threshold < 0:
-            _fail(f"{p}.persistence_threshold", self.persistence_threshold, "must be >= 0")
+            _fail("persistence_threshold", self.persistence_threshold, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -142,7 +156,8 @@ class ZeroConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     tensor_parallel_size: int = 1
-    """Ranks per tensor-parallel group; data parallelism runs across groups."""
+    """Ranks per tensor-parallel group (adjacent ranks); data parallelism runs across
+    groups. Only 1 is accepted until tensor parallelism lands (issue 15)."""
     seed: int = 1234
     """Base seed; rank r seeds torch/numpy/random with seed + r."""
 
@@ -165,12 +180,9 @@ class ZeroConfig:
             _fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             _fail("alignment", self.alignment, "must be a power of two")
-        if self.tensor_parallel_size < 1:
-            _fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
-        self.optimizer._validate("optimizer")
-        self.fp16._validate("fp16")
-        self.comm._validate("comm")
-        self.stage3._validate("stage3")
+        if self.tensor_parallel_size != 1:
+            _fail("tensor_parallel_size", self.tensor_parallel_size,
+                  "tensor parallelism is not implemented yet (issue 15); must be 1")
 
 
 # ---------------------------------------------------------------- loading
@@ -234,11 +246,10 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         if k not in names:
             _fail(key, v, f"unknown key (valid: {', '.join(sorted(names))})")
         kwargs[k] = _coerce(key, v, hints[k])
-    return cls(**kwargs)
-
-
-def _to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    try:
+        return cls(**kwargs)  # the section's own checks (__post_init__) name local keys
+    except ConfigError as e:
+        raise e.under(prefix) from None
 
 
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
@@ -301,7 +312,7 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
     if source is None:
         data: dict = {}
     elif isinstance(source, cls):
-        data = _to_dict(source)
+        data = to_dict(source)
     elif isinstance(source, Mapping):
         # deep copy, tuples -> lists; nested section configs (OptimizerConfig(...)) -> dicts
         data = json.loads(json.dumps(source, default=_plain))
@@ -315,6 +326,7 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
     return _build(cls, data)
 
 
-def to_dict(cfg: ZeroConfig) -> dict:
-    """Plain nested dict (for manifests and logs)."""
-    return _to_dict(cfg)
+def to_dict(cfg: Any) -> dict:
+    """Any config dataclass as a plain nested dict (manifests, logs, cross-rank checks):
+    the one serialisation; `load(to_dict(cfg), cls=type(cfg)) == cfg`."""
+    return dataclasses.asdict(cfg)

@@ -20,7 +20,6 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from . import comm as comm_mod
 from . import config as config_mod
 from . import flat, runtime
 from .config import ZeroConfig
@@ -36,16 +35,16 @@ def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 class ZeroEngine:
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
-                 comm: Any = None, param_groups: Sequence[dict] | None = None):
+                 comm: Any = None, param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = config_mod.load(config)
         if cfg.stage == 3 and type(self) is ZeroEngine:
             raise ValueError("config key 'stage' = 3: use zerompi.initialize, which builds the stage-3 engine")
-        world = runtime.init()
         self.config = cfg
-        if comm is None:
-            grid = runtime.ProcessGrid.create(world, cfg.tensor_parallel_size)
-            comm = comm_mod.create(grid.dp, backend=cfg.comm.backend, reduce_scatter=cfg.comm.reduce_scatter)
-        self.comm = comm
+        if dims is None:
+            from .parallel import ParallelDims
+            dims = ParallelDims.from_config(cfg)
+        self.dims = dims
+        self.comm = comm = dims.dp
         self.module = model
         self.rank, self.world = comm.rank, comm.size
         self.dtype = DTYPES[cfg.precision]

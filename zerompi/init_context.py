@@ -20,7 +20,6 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from . import comm as comm_mod
 from . import config as config_mod
 from . import runtime
 
@@ -60,10 +59,13 @@ def _empty_storage(p: torch.Tensor) -> None:
 class Init:
     """`with zerompi.Init(config): model = Build()` builds `model` partitioned."""
 
-    def __init__(self, config=None, comm=None, seed: int | None = None):
+    def __init__(self, config=None, dims=None, seed: int | None = None):
         self.config = config_mod.load(config)
-        world = runtime.init()
-        self.comm = comm if comm is not None else comm_mod.create(world, reduce_scatter=self.config.comm.reduce_scatter)
+        if dims is None:
+            from .parallel import ParallelDims
+            dims = ParallelDims.from_config(self.config)
+        self.dims = dims
+        self.comm = dims.dp  # parameters are partitioned over the data-parallel group
         self.seed = self.config.seed if seed is None else seed
         self._saved: dict[str, object] = {}
         self._handle = None
@@ -108,12 +110,13 @@ class Init:
 
 @contextlib.contextmanager
 def GatheredParameters(params: Iterable[nn.Parameter] | nn.Module, engine=None,
-                       modifier_rank: int | None = None, comm=None):
+                       modifier_rank: int | None = None, dims=None):
     """Full values of `params` inside the block, written back to the shards on exit.
 
     Works on a stage-3 engine's parameters (pass `engine`) and on parameters still held
-    by Init (pass its `comm`, or none for COMM_WORLD). With `modifier_rank`, that rank's
-    values are broadcast before the write-back. Collective: every rank must enter."""
+    by Init (pass the `dims` Init was given; by default the grid of the default config).
+    With `modifier_rank` (a rank of the data-parallel group), that rank's values are
+    broadcast before the write-back. Collective: every rank of the group must enter."""
     if isinstance(params, nn.Module):
         params = list(params.parameters())
     params = list(params)
@@ -121,8 +124,10 @@ def GatheredParameters(params: Iterable[nn.Parameter] | nn.Module, engine=None,
         with engine.gathered(params, modifier_rank=modifier_rank):
             yield
         return
-    if comm is None:
-        comm = comm_mod.create(runtime.init())
+    if dims is None:
+        from .parallel import ParallelDims
+        dims = ParallelDims.create()
+    comm = dims.dp
     held = [p for p in params if hasattr(p, "_zero_init")]
     for p in held:
         p.data = p._zero_init.gather(comm).to(p.dtype).clone()

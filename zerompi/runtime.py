@@ -1,4 +1,4 @@
-"""MPI start-up, whole-job abort on any rank's exception, seeding, process grid.
+"""MPI start-up, whole-job abort on any rank's exception, agreeing on errors, seeding.
 
 Without an abort, an exception on one rank leaves the others blocked in a collective
 forever (and Python's exit blocks in MPI_Finalize). `install_abort_hook` makes any
@@ -12,7 +12,6 @@ import random
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -85,6 +84,43 @@ def release_free_memory() -> None:
         pass
 
 
+def agree(comm, errors=None) -> list[tuple[int, str, str]]:
+    """The one way ranks agree on failures. Collective: every rank passes what went wrong
+    on it (None, one exception or message, or a list of them); every rank gets back the
+    same list of (rank, exception class name, message), in rank order, duplicates
+    dropped. A rank that failed alone therefore never leaves the others waiting in a
+    collective it will not join: all of them see the failure at the same point."""
+    if errors is None:
+        errors = []
+    elif isinstance(errors, (str, BaseException)):
+        errors = [errors]
+    mine = [(type(e).__name__ if isinstance(e, BaseException) else "", str(e)) for e in errors]
+    everyone = comm.allgather_object(mine) if comm.size > 1 else [mine]
+    out, seen = [], set()
+    for r, items in enumerate(everyone):
+        for cls, msg in items:
+            if msg not in seen:
+                seen.add(msg)
+                out.append((r, cls, msg))
+    return out
+
+
+def raise_agreed(comm, errors=None, exc_type: type = ValueError, keep_types=(TypeError, ValueError),
+                 limit: int = 8) -> None:
+    """agree(), then raise on every rank if any rank failed. One failure keeps its class
+    when it is one of `keep_types` and reads "rank R: message" (no prefix in a 1-rank
+    job); several are listed, at most `limit`, under exc_type."""
+    found = agree(comm, errors)
+    if not found:
+        return
+    named = [msg if comm.size == 1 else f"rank {r}: {msg}" for r, _, msg in found]
+    if len(found) == 1:
+        cls = next((t for t in keep_types if t.__name__ == found[0][1]), exc_type)
+        raise cls(named[0])
+    more = f"\n  ... and {len(named) - limit} more" if len(named) > limit else ""
+    raise exc_type("\n  ".join([f"{len(named)} problems:"] + named[:limit]) + more)
+
+
 def check_same_everywhere(comm, config: dict, shapes: list) -> None:
     """Ranks with different configs or models would issue mismatched collectives (a hang
     or garbage): compare once at set-up (one pickled allgather) and raise on every rank,
@@ -120,24 +156,3 @@ def local_rank(comm) -> tuple[int, int]:
         return node.Get_rank(), node.Get_size()
     finally:
         node.Free()
-
-
-@dataclass
-class ProcessGrid:
-    """mpi4py communicators arranged as dp x tp: tensor-parallel groups of consecutive ranks (they
-    share a node in practice), data parallelism across groups."""
-
-    world: Any
-    dp: Any
-    tp: Any
-
-    @classmethod
-    def create(cls, world: Any, tp_size: int = 1) -> "ProcessGrid":
-        n = world.Get_size()
-        if n % tp_size:
-            raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: "
-                             f"does not divide the world size {n}")
-        r = world.Get_rank()
-        tp = world.Split(r // tp_size, r)
-        dp = world.Split(r % tp_size, r)
-        return cls(world=world, dp=dp, tp=tp)

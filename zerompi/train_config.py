@@ -32,16 +32,17 @@ class ModelConfig:
     bias: bool = True
     """Linear and LayerNorm biases (every preset has them)."""
 
-    def _validate(self, p: str) -> None:
+    def __post_init__(self) -> None:
         from .models.gpt import PRESETS
 
         if self.preset not in PRESETS:
-            _fail(f"{p}.preset", self.preset, f"must be one of {', '.join(PRESETS)}")
+            _fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
         for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
             if getattr(self, k) < 0:
-                _fail(f"{p}.{k}", getattr(self, k), "must be >= 0 (0 = the preset's)")
+                _fail(k, getattr(self, k), "must be >= 0 (0 = the preset's)")
         if not 0.0 <= self.dropout < 1.0:
-            _fail(f"{p}.dropout", self.dropout, "must be in [0, 1)")
+            _fail("dropout", self.dropout, "must be in [0, 1)")
+        self.gpt_config()  # n_embd divisible by n_head
 
     def gpt_config(self):
         from .models.gpt import PRESETS
@@ -52,7 +53,7 @@ class ModelConfig:
         try:
             return dataclasses.replace(base, dropout=self.dropout, bias=self.bias, **changes)
         except ValueError as e:  # n_embd not divisible by n_head
-            _fail("model.n_head", self.n_head or base.n_head, str(e))
+            _fail("n_head", self.n_head or base.n_head, str(e))
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,6 @@ class TrainConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
-        self.model._validate("model")
         positive = ("global_batch",)
         non_negative = ("block_size", "max_steps", "warmup_steps", "lr_decay_steps", "eval_interval",
                         "checkpoint_interval", "keep_last", "threads")
@@ -172,10 +172,6 @@ def from_argv(argv: Sequence[str]) -> TrainConfig:
     return load(source, parse_overrides(rest))
 
 
-def to_dict(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     """One 'key = default' line per leaf field (for --help)."""
     lines = []
@@ -189,4 +185,4 @@ def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     return lines
 
 
-__all__ = ["ModelConfig", "TrainConfig", "load", "from_argv", "to_dict", "describe"]
+__all__ = ["ModelConfig", "TrainConfig", "load", "from_argv", "describe"]

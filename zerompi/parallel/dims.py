@@ -1,0 +1,72 @@
+"""ParallelDims: the process grid, built once per job and handed to everything that
+communicates (engine, Init, GatheredParameters, checkpoints, the data loader).
+
+    dims = ParallelDims.from_config(cfg)       # collective over COMM_WORLD
+    engine = zerompi.initialize(model, cfg, dims=dims)
+
+Ranks form a dp x tp grid. Tensor-parallel ranks are adjacent (world ranks
+r // tp_size share a tp group), so with the usual block placement of ranks on nodes
+they share a node and its fast links; data parallelism runs across tp groups, one dp
+group per tp position. ZeRO partitions over `dp`. Each group is its own Communicator
+(a private MPI communicator, so our traffic never meets the user's), and `world` is a
+private duplicate of the whole job for the loop's own small reductions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import runtime
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world: Any   # Communicator over every rank of the job
+    dp: Any      # Communicator over the data-parallel group of this rank (ZeRO shards here)
+    tp: Any      # Communicator over the tensor-parallel group of this rank (size 1 until issue 15)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @classmethod
+    def create(cls, tp_size: int = 1, world: Any = None, backend: str = "auto",
+               reduce_scatter: str = "ordered") -> "ParallelDims":
+        """Collective over `world` (an mpi4py communicator; default COMM_WORLD)."""
+        from .. import comm as comm_mod
+
+        base = runtime.init() if world is None else world
+        n, r = base.Get_size(), base.Get_rank()
+        if tp_size < 1 or n % tp_size:
+            raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: "
+                             f"must divide the number of ranks ({n})")
+        make = lambda c: comm_mod.create(c, backend=backend, reduce_scatter=reduce_scatter)  # noqa: E731
+        world_c = make(base)
+        tp = world_c.split(color=r // tp_size, key=r)
+        dp = world_c.split(color=r % tp_size, key=r)
+        return cls(world=world_c, dp=dp, tp=tp)
+
+    @classmethod
+    def from_config(cls, cfg, world: Any = None) -> "ParallelDims":
+        """The grid a ZeroConfig asks for (tensor_parallel_size, comm.backend)."""
+        return cls.create(cfg.tensor_parallel_size, world=world, backend=cfg.comm.backend,
+                          reduce_scatter=cfg.comm.reduce_scatter)
+
+    def describe(self) -> str:
+        return f"dp {self.dp_size} x tp {self.tp_size} (rank {self.rank}: dp {self.dp_rank}, tp {self.tp_rank})"
