@@ -1,4 +1,9 @@
-"""Which device a rank computes on, and whether MPI can take GPU buffers directly.
+"""Where memory lives (Placement), which device a rank computes on, and whether MPI can
+take GPU buffers directly.
+
+- Placement: every buffer of model state (shards, flat parameters, gradients, buckets,
+  gathered stage-3 units) is allocated through one, so moving the state to a GPU or
+  offloading it to the host is a different Placement, not an edit of every allocation.
 
 - Binding: each rank takes GPU (node-local rank mod visible GPUs). The node-local rank
   comes from an MPI shared-memory split, which works the same under mpiexec and srun
@@ -12,11 +17,45 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from . import runtime
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a buffer lives: host memory or one CUDA device. `pinned` host memory is
+    page-locked, for buffers that feed host<->device copies (offloaded optimizer state,
+    host-staged MPI); it needs a CUDA build of torch with a visible GPU."""
+
+    device: torch.device = torch.device("cpu")
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pinned and self.device.type != "cpu":
+            raise ValueError(f"placement {self.device}: only host memory can be pinned")
+
+    @classmethod
+    def of(cls, device: "torch.device | str", pinned: bool = False) -> "Placement":
+        return cls(torch.device(device), pinned)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.pinned:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(numel, dtype).zero_()
+
+    def __str__(self) -> str:
+        return "host (pinned)" if self.pinned else ("host" if self.device.type == "cpu" else str(self.device))
 
 
 def _loaded_mpi_libraries() -> list[str]:
