@@ -1,4 +1,4 @@
-"""Property tests of the flat block-interleaved layout (zerompi/partition.py), no MPI.
+"""Property tests of the flat block-interleaved layout (zerompi/zero/partition.py), no MPI.
 
 Random parameter lists (empty, scalar, odd, prime, one huge parameter spanning many
 blocks) x world sizes 1..17 x block sizes around the total x alignments 1/4/16. The
@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from zerompi.partition import FlatLayout, round_up
+from zerompi.zero.partition import FlatLayout, round_up
 
 PRIMES = [2, 3, 5, 7, 11, 13, 17, 31, 97, 101, 257, 509, 1021, 4093]
 MAX_BLOCKS = 24
@@ -232,7 +232,7 @@ def test_units_start_on_block_boundaries_and_tile_exactly():
     one unit never fetches a neighbour's elements; ownership stays exact."""
     import random
 
-    from zerompi.partition import FlatLayout
+    from zerompi.zero.partition import FlatLayout
 
     rng = random.Random(7)
     for world in (1, 2, 3, 4, 5, 8):

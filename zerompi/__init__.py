@@ -26,23 +26,18 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, dims: 
     built from the config over COMM_WORLD. ZeRO partitions over `dims.dp`.
     `param_groups` are torch-style groups ({"params": [...], "weight_decay": 0.0, ...});
     parameters not listed use the config's optimizer settings."""
-    cfg = load_config(config)
-    if cfg.stage == 3:
-        from .stage3 import Stage3Engine
+    from .zero.engine import ZeroEngine
 
-        return Stage3Engine(model, cfg, dims=dims, param_groups=param_groups)
-    from .engine import ZeroEngine
-
-    return ZeroEngine(model, cfg, dims=dims, param_groups=param_groups)
+    return ZeroEngine(model, load_config(config), dims=dims, param_groups=param_groups)
 
 
-_SUBMODULES = ("optim", "engine", "stage3", "checkpoint", "comm", "partition", "precision", "data")
+_SUBMODULES = ("optim", "zero", "parallel", "checkpoint", "comm", "device", "precision", "data")
 
 
 def __getattr__(name: str):
     # Lazy: importing zerompi must not initialise MPI or import the engine.
     if name in ("Init", "GatheredParameters"):
-        from . import init_context
+        from .zero import init_context
 
         return getattr(init_context, name)
     if name in _SUBMODULES:

@@ -34,17 +34,18 @@ for stage, prec, gdt, gas in cases:
     extra = {}
     if stage == 3:
         # units gathered again in forward because a second module uses them (tied weights)
+        store = eng.param_store
         users = {}
-        for mod, pids in eng._module_params.items():
-            for u in {id(eng._unit_of[i]): eng._unit_of[i] for i in pids}.values():
+        for mod, pids in store.module_params.items():
+            for u in {id(store.unit_of[i]): store.unit_of[i] for i in pids}.values():
                 users.setdefault(u.idx, set()).add(id(mod))
-        extra["tied_extra"] = sum(eng.units[i].size * (len(m) - 1) for i, m in users.items())
+        extra["tied_extra"] = sum(store.units[i].size * (len(m) - 1) for i, m in users.items())
         extra["materialized"] = eng.materialized_params()
     out.append({**extra, "stage": stage, "precision": prec, "grad_accum_dtype": gdt, "gas": gas,
                 "updated": eng.global_steps == 2, "mem": after, "mem_before_step": during,
                 "comm": eng.comm_stats(), "num_params": len(eng.params),
                 "loose_grad_params": sum(p.grad is not None for p in eng.params
-                                         if eng.flat_grad is None)})
+                                         if eng.state.flat_grad is None)})
     del eng, model
 if rank == 0:
     json.dump({"world": N, "bucket": a.bucket, "cases": out}, open(a.out, "w"))

@@ -33,9 +33,8 @@ for stage in [int(s) for s in a.stages.split(",")]:
                 eng.step()
         sd = eng.full_state_dict()
         # The working (full) parameters every rank computes with must agree across ranks.
-        local = hashlib.sha256(eng.flat_param.view(torch.uint8).numpy().tobytes()).hexdigest() \
-            if eng.flat_param.dtype == torch.float32 else \
-            hashlib.sha256(eng.flat_param.view(torch.int16).numpy().tobytes()).hexdigest()
+        fp = eng.state.flat_param
+        local = hashlib.sha256(fp.view(torch.uint8).numpy().tobytes()).hexdigest()
         hashes = world.allgather(local)
         if rank == 0:
             h = hashlib.sha256()

@@ -1,4 +1,5 @@
-"""Backend-independent parts of a Communicator: traffic counters and async handles.
+"""The Communicator protocol, and its backend-independent parts: traffic counters and
+async handles.
 
 Element counting convention (what `engine.comm_stats()` reports), chosen so that the
 numbers read like the ZeRO paper's volumes: all_reduce of n elements counts 2n (it is a
@@ -9,7 +10,42 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+class CommTimeout(RuntimeError):
+    """A collective did not complete by its deadline (a peer is stuck or gone)."""
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What ZeRO needs from a process group. Implemented by MPICommunicator (mpi.py);
+    an NCCL communicator implements the same calls next (issue 11).
+
+    Tensors are 1-D contiguous buffers; `send`/`recv` sizes follow the usual collective
+    contracts (reduce_scatter: send N*n -> recv n; all_gather: send n -> recv N*n;
+    all_to_all: send N*n -> recv N*n, block q of send goes to rank q). With
+    async_op=True a call returns a Handle; otherwise it completes before returning
+    and returns None."""
+
+    backend: str
+    rank: int
+    size: int
+
+    def all_reduce(self, t, op: str = "sum", async_op: bool = False) -> "Handle | None": ...
+    def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False,
+                       scratch=None) -> "Handle | None": ...
+    def all_gather(self, send, recv, async_op: bool = False) -> "Handle | None": ...
+    def all_to_all(self, send, recv, async_op: bool = False) -> "Handle | None": ...
+    def broadcast(self, t, root: int = 0) -> None: ...
+    def gather(self, send, recv, root: int = 0) -> None: ...
+    def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]: ...
+    def split(self, color: int, key: int | None = None) -> "Communicator": ...
+    def barrier(self) -> None: ...
+    def bcast_object(self, obj: Any, root: int = 0) -> Any: ...
+    def allgather_object(self, obj: Any) -> list: ...
+    def stats(self) -> dict: ...
+    def reset_stats(self) -> None: ...
 
 
 class CommStats:
@@ -52,11 +88,23 @@ class Handle:
             return True
         return bool(self._test_fn())
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete. With `timeout` (seconds), raise CommTimeout instead of
+        waiting past the deadline, so a stuck peer becomes an error on this rank (which
+        the abort hook turns into the end of the job) rather than a hang."""
         if self.done:
             return
         t0 = time.perf_counter()
-        self._wait_fn()
+        if timeout is None:
+            self._wait_fn()
+        else:
+            pause = 1e-5
+            while not self._test_fn():
+                if time.perf_counter() - t0 > timeout:
+                    raise CommTimeout(f"{self._op}: not complete after {timeout:g} s "
+                                      "(a peer rank is stuck, gone, or issued a different collective)")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-2)  # back off: short waits stay fast
         if self._finish is not None:
             self._finish()
         self.done = True
@@ -72,5 +120,5 @@ class DoneHandle(Handle):
     def test(self) -> bool:
         return True
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         return None

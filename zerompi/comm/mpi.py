@@ -183,6 +183,18 @@ class MPICommunicator:
         req = self.comm.Iallgather(sbuf, _arr(recv, "recv"))
         return self._run("all_gather", req, async_op, keep=(send, recv))
 
+    def all_to_all(self, send, recv, async_op: bool = False):
+        """recv block q (n elements) = send block `rank` of rank q; send and recv hold N*n."""
+        if send.numel() != recv.numel() or send.numel() % self.size:
+            raise ValueError(f"all_to_all: send has {send.numel()} and recv {recv.numel()} elements; "
+                             f"both must be the same multiple of {self.size}")
+        self._stats.record("all_to_all", send.numel(), send.element_size())
+        if self.size == 1:
+            recv.copy_(send)
+            return DoneHandle() if async_op else None
+        req = self.comm.Ialltoall(_arr(send, "send"), _arr(recv, "recv"))
+        return self._run("all_to_all", req, async_op, keep=(send, recv))
+
     def gather(self, send, recv, root: int = 0) -> None:
         """recv (N*n, on `root` only; None elsewhere) = concatenation over ranks of send."""
         n = send.numel()

@@ -20,8 +20,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from . import config as config_mod
-from . import runtime
+from .. import config as config_mod
+from .. import runtime
 
 _INIT_FUNCS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
                "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
@@ -29,9 +29,11 @@ _INIT_FUNCS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "ze
 
 
 class _PieceOf:
-    """This rank's piece of one parameter built under Init (the engine takes it over)."""
+    """This rank's piece of one parameter built under Init (the engine takes it over).
+    It keeps the group it was partitioned over, so gathering it needs no other grid."""
 
-    def __init__(self, full: torch.Tensor, rank: int, world: int):
+    def __init__(self, full: torch.Tensor, comm):
+        self.comm, rank, world = comm, comm.rank, comm.size
         self.numel, self.shape, self.rank, self.world = full.numel(), full.shape, rank, world
         self.chunk = -(-self.numel // world)
         self.piece = torch.zeros(self.chunk, dtype=torch.float32)
@@ -44,9 +46,9 @@ class _PieceOf:
         self.piece.zero_()
         self.piece[:seg.numel()].copy_(seg)
 
-    def gather(self, comm) -> torch.Tensor:
+    def gather(self) -> torch.Tensor:
         buf = torch.empty(self.chunk * self.world, dtype=torch.float32)
-        comm.all_gather(self.piece, buf)
+        self.comm.all_gather(self.piece, buf)
         return buf[:self.numel].view(self.shape)
 
 
@@ -62,7 +64,7 @@ class Init:
     def __init__(self, config=None, dims=None, seed: int | None = None):
         self.config = config_mod.load(config)
         if dims is None:
-            from .parallel import ParallelDims
+            from ..parallel import ParallelDims
             dims = ParallelDims.from_config(self.config)
         self.dims = dims
         self.comm = dims.dp  # parameters are partitioned over the data-parallel group
@@ -73,7 +75,7 @@ class Init:
     def _partition(self, module: nn.Module, name: str, param):
         if param is None or hasattr(param, "_zero_init") or not isinstance(param, nn.Parameter):
             return None
-        param._zero_init = _PieceOf(param.detach(), self.comm.rank, self.comm.size)
+        param._zero_init = _PieceOf(param.detach(), self.comm)
         _empty_storage(param)
         return None
 
@@ -110,34 +112,31 @@ class Init:
 
 @contextlib.contextmanager
 def GatheredParameters(params: Iterable[nn.Parameter] | nn.Module, engine=None,
-                       modifier_rank: int | None = None, dims=None):
+                       modifier_rank: int | None = None):
     """Full values of `params` inside the block, written back to the shards on exit.
 
-    Works on a stage-3 engine's parameters (pass `engine`) and on parameters still held
-    by Init (pass the `dims` Init was given; by default the grid of the default config).
-    With `modifier_rank` (a rank of the data-parallel group), that rank's values are
-    broadcast before the write-back. Collective: every rank of the group must enter."""
+    Works on an engine's parameters (pass `engine`; stages 0-2 hold them full already)
+    and on parameters still held by Init (each remembers the data-parallel group Init
+    partitioned it over). With `modifier_rank` (a rank of that group), that rank's
+    values are broadcast before the write-back. Collective: every rank of the group
+    must enter."""
     if isinstance(params, nn.Module):
         params = list(params.parameters())
     params = list(params)
-    if engine is not None and hasattr(engine, "gathered"):
+    if engine is not None:
         with engine.gathered(params, modifier_rank=modifier_rank):
             yield
         return
-    if dims is None:
-        from .parallel import ParallelDims
-        dims = ParallelDims.create()
-    comm = dims.dp
     held = [p for p in params if hasattr(p, "_zero_init")]
     for p in held:
-        p.data = p._zero_init.gather(comm).to(p.dtype).clone()
+        p.data = p._zero_init.gather().to(p.dtype).clone()
     try:
         yield
     finally:
         for p in held:
             if modifier_rank is not None:
                 t = p.data.float().contiguous()
-                comm.broadcast(t, root=modifier_rank)
+                p._zero_init.comm.broadcast(t, root=modifier_rank)
                 p._zero_init.keep(t)
             else:
                 p._zero_init.keep(p.data)

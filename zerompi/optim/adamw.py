@@ -1,9 +1,13 @@
-"""Partitioned AdamW over flat fp32 shards.
+"""Partitioned AdamW over a segment table of the rank's shard.
 
-The rank's shard is cut into segments, each inside one partition chunk and one
-parameter group. The math mirrors torch.optim.AdamW (single-tensor path) op for op, so
-with identical gradients the update is bitwise identical to torch on CPU. GPU shards
-use the fused kernel in zerompi/kernels (same arithmetic, plus the cast to bf16/fp16).
+The shard is described by a table of segments (build_segments): each is one run of
+elements inside one partition chunk, one parameter and one parameter group, given by
+offsets, not tensors. Whoever owns the memory (zero/state.py ShardState) turns a
+segment into views, so the same table drives this host implementation and, later, one
+fused device launch over the whole shard (the table becomes offset/length/group/step
+arrays; zerompi/kernels/adamw.py). The host math mirrors torch.optim.AdamW
+(single-tensor path) op for op, so with identical gradients the update is bitwise
+identical to torch on CPU.
 """
 from __future__ import annotations
 
@@ -13,23 +17,34 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from .config import OptimizerConfig
+from ..config import OptimizerConfig
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Segment:
-    """One contiguous run of the shard: views into the buffers the step touches."""
+    """One row of the segment table: `length` elements of parameter `param` from its
+    element `param_lo`, at `shard_lo` in shard-indexed buffers and `flat_lo` in the
+    flat index space, updated with parameter group `group`'s hyper-parameters."""
 
-    master: torch.Tensor     # fp32 weights, updated in place
-    grad: torch.Tensor       # stored gradient (any float dtype, possibly scaled)
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    param: int               # index of the parameter this piece belongs to
-    param_lo: int            # first element of that parameter held here
+    shard_lo: int
+    flat_lo: int
+    length: int
+    param: int
+    param_lo: int
     group: int
-    lowp: torch.Tensor | None = None  # low-precision copy to refresh (bf16/fp16 runs)
+
+
+def build_segments(layout, own, group_of: Sequence[int]) -> list[Segment]:
+    """The table for the chunks `own` of `layout`; padding never gets a segment."""
+    table = []
+    for sp in layout.spans(own):
+        ch = sp.chunk
+        for pc in layout.pieces(ch.flat_lo, ch.flat_hi):
+            table.append(Segment(ch.shard_lo + pc.flat_lo - ch.flat_lo, pc.flat_lo, pc.size,
+                                 pc.index, pc.param_lo, group_of[pc.index]))
+    return table
 
 
 def build_groups(model: nn.Module, defaults: OptimizerConfig,
@@ -71,14 +86,18 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class ShardedAdamW:
-    """AdamW on the segments of this rank's shard. `param_groups` is mutable (LR schedules).
+    """AdamW over a segment table; `views(seg)` gives (master, grad, exp_avg, exp_avg_sq,
+    lowp or None) of a segment (ShardState.views). `param_groups` is mutable (LR
+    schedules).
 
     As torch.optim.AdamW, a parameter that got no gradient in a step (on any rank) is
     left alone: no weight decay, no moment decay, and its own step count (which drives
     bias correction) does not advance."""
 
-    def __init__(self, segments: Iterable[Segment], param_groups: list[dict], num_params: int):
+    def __init__(self, segments: Iterable[Segment], views, param_groups: list[dict], num_params: int):
         self.segments = list(segments)
+        # Host memory never moves, so the views are made once, not every step.
+        self._views = [views(s.shard_lo, s.flat_lo, s.length) for s in self.segments]
         self.param_groups = param_groups
         self.steps = [0] * num_params
 
@@ -88,27 +107,32 @@ class ShardedAdamW:
         for i in range(len(self.steps)):
             if used is None or used[i]:
                 self.steps[i] += 1
-        for s in self.segments:
+        for s, (p, g, exp_avg, exp_avg_sq, lowp) in zip(self.segments, self._views):
             if used is not None and not used[s.param]:
                 continue
             hp = self.param_groups[s.group]
             lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
             step = self.steps[s.param]
-            g = s.grad
             if grad_coef != 1.0 or g.dtype != torch.float32:
                 g = g.float().mul_(grad_coef) if g.dtype != torch.float32 else g.mul(grad_coef)
-            p = s.master
             if wd != 0:
                 p.mul_(1 - lr * wd)
-            s.exp_avg.lerp_(g, 1 - beta1)
-            s.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            exp_avg.lerp_(g, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             bias_correction1 = 1 - beta1 ** step
             bias_correction2 = 1 - beta2 ** step
             step_size = lr / bias_correction1
-            denom = (s.exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-            p.addcdiv_(s.exp_avg, denom, value=-step_size)
-            if s.lowp is not None:
-                s.lowp.copy_(p)
+            denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+            p.addcdiv_(exp_avg, denom, value=-step_size)
+            if lowp is not None:
+                lowp.copy_(p)
+
+    def grad_sq_norm(self) -> float:
+        """Squared L2 norm (float64) of the stored gradients of this rank's segments."""
+        total = 0.0
+        for _, g, _, _, _ in self._views:
+            total += float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+        return total
 
     def state_dict(self) -> dict:
         return {"steps": list(self.steps),

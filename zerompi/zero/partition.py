@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 
 def round_up(x: int, m: int) -> int:
@@ -57,6 +57,18 @@ class Chunk:
     @property
     def size(self) -> int:
         return self.flat_hi - self.flat_lo
+
+
+class Span(NamedTuple):
+    """Where one owned chunk sits, as slices: in the rank's shard, and - relative to a
+    flat offset `base` (0, or a stage-3 unit's start) - its whole block and its own part
+    of that block. Every all-gather of a block, every copy between flat and shard
+    storage, walks these."""
+
+    chunk: Chunk
+    shard: slice
+    block: slice
+    mine: slice
 
 
 class FlatLayout:
@@ -134,6 +146,18 @@ class FlatLayout:
             c = self.chunk_size(k)
             out.append(Chunk(k, s + rank * c, s + (rank + 1) * c, self.block_shard_lo[k]))
         return out
+
+    def spans(self, chunks: Sequence[Chunk], blocks: Sequence[int] | None = None,
+              base: int = 0) -> Iterator[Span]:
+        """The one loop over owned chunks: a Span for each of `chunks` (restricted to
+        `blocks` when given, e.g. one unit's), flat slices relative to `base`."""
+        if blocks is not None:
+            by_block = {c.block: c for c in chunks}
+            chunks = [by_block[k] for k in blocks]
+        for c in chunks:
+            s, e = self.blocks[c.block]
+            yield Span(c, slice(c.shard_lo, c.shard_lo + c.size), slice(s - base, e - base),
+                       slice(c.flat_lo - base, c.flat_hi - base))
 
     def block_of(self, flat_index: int) -> int:
         return bisect.bisect_right(self._starts, flat_index) - 1

@@ -24,7 +24,14 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .partition import Chunk, FlatLayout
+from .partition import FlatLayout
+from .state import ShardState
+
+# How gradients reach the optimizer (the engine picks one per stage, zero/engine.py):
+ALL_REDUCE = "all_reduce"            # accumulate in flat_grad; all-reduce at the boundary
+SCATTER_AT_BOUNDARY = "scatter_at_boundary"  # accumulate in flat_grad; reduce-scatter at the boundary
+SCATTER_PER_BUCKET = "scatter_per_bucket"    # every micro-step: .grad -> bucket -> grad_shard
+MODES = (ALL_REDUCE, SCATTER_AT_BOUNDARY, SCATTER_PER_BUCKET)
 
 
 @dataclass
@@ -35,20 +42,25 @@ class _Slot:
 
 
 class GradReducer:
-    """Reduces gradients of `params` laid out by `layout` over `comm`.
+    """Reduces gradients of `params` laid out by `layout` over `comm`, into `state`.
 
-    stage 0/1: gradients accumulate (across micro-steps) in the full `flat_grad`; the
-    reduction runs only in the boundary micro-step and writes back into `flat_grad`
-    (stage 0: whole block; stage 1: own chunk). stage 2: reduction every micro-step,
-    from the parameters' transient .grad into `grad_shard`, whose .grad are then freed.
+    all_reduce / scatter_at_boundary: gradients accumulate (across micro-steps) in the
+    full `state.flat_grad`; the reduction runs only in the boundary micro-step and writes
+    back into it (the whole block, or only the own chunk). scatter_per_bucket: reduction
+    every micro-step, from the parameters' transient .grad into `state.grad_shard`,
+    whose .grad are then freed.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, comm, stage: int,
-                 own: Sequence[Chunk], flat_grad: torch.Tensor | None,
-                 grad_shard: torch.Tensor | None, bucket_count: int, reduce_dtype: torch.dtype):
-        self.params, self.layout, self.comm, self.stage = list(params), layout, comm, stage
-        self.own = {c.block: c for c in own}
-        self.flat_grad, self.grad_shard = flat_grad, grad_shard
+    def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, comm, mode: str,
+                 state: ShardState, bucket_count: int, reduce_dtype: torch.dtype):
+        if mode not in MODES:
+            raise ValueError(f"gradient reduction {mode!r}: one of {MODES}")
+        self.params, self.layout, self.comm, self.mode = list(params), layout, comm, mode
+        self.own = {c.block: c for c in state.own}
+        flat_grad = self.flat_grad = state.flat_grad
+        self.grad_shard = state.grad_shard
+        if (flat_grad is None) != (mode == SCATTER_PER_BUCKET):
+            raise ValueError(f"gradient reduction {mode!r} does not match the state's gradient buffers")
         nb = len(layout.blocks)
         self.block_params = [sorted({pc.index for pc in layout.pieces(s, e)}) for s, e in layout.blocks]
         self.param_blocks = [layout.param_blocks(i) for i in range(len(self.params))]
@@ -58,8 +70,9 @@ class GradReducer:
                                for p, o, n in zip(self.params, layout.offsets, layout.numels)]
         B = max(e - s for s, e in layout.blocks)
         c = B // layout.world
-        self.slots_free = [_Slot(torch.empty(B, dtype=reduce_dtype), torch.empty(c, dtype=reduce_dtype),
-                                 torch.empty(B if layout.world > 1 else 0, dtype=reduce_dtype))
+        new = lambda n: state.placement.empty(n, reduce_dtype)  # noqa: E731
+        # Constant-size communication buffers (ZeRO-R CB): independent of the model size.
+        self.slots_free = [_Slot(new(B), new(c), new(B if layout.world > 1 else 0))
                            for _ in range(min(bucket_count, nb))]
         self.inflight: deque = deque()
         self.active = False
@@ -86,6 +99,11 @@ class GradReducer:
                 p.grad = v
 
     # ---------------------------------------------------------------- backward
+    @property
+    def every_micro_step(self) -> bool:
+        """Reduce in every backward (no full gradient survives a micro-step)?"""
+        return self.mode == SCATTER_PER_BUCKET
+
     def begin(self, reduce: bool, pre_scale: float) -> None:
         """Called before loss.backward(): reduce in this backward or only accumulate."""
         self.active, self.pre_scale = reduce, pre_scale
@@ -141,7 +159,7 @@ class GradReducer:
         s, e = self.layout.blocks[k]
         b = e - s
         buf = slot.bucket[:b]
-        if self.stage == 2:
+        if self.mode == SCATTER_PER_BUCKET:
             buf.zero_()
             for pc in self.layout.pieces(s, e):
                 p = self.params[pc.index]
@@ -149,12 +167,12 @@ class GradReducer:
                     buf[pc.flat_lo - s:pc.flat_hi - s].copy_(p.grad.reshape(-1)[pc.param_lo:pc.param_hi])
                 self.blocks_left[pc.index] -= 1
                 if self.blocks_left[pc.index] == 0:
-                    p.grad = None  # stage 2: the full gradient is dropped once reduced
+                    p.grad = None  # the full gradient is dropped once reduced
             buf.mul_(self.pre_scale)
         else:
             torch.mul(self.flat_grad[s:e], self.pre_scale, out=buf)
         c = self.layout.chunk_size(k)
-        if self.stage == 0:
+        if self.mode == ALL_REDUCE:
             h = self.comm.all_reduce(buf, async_op=True)
         else:
             h = self.comm.reduce_scatter(buf, slot.recv[:c], async_op=True, scratch=slot.scratch)
@@ -164,12 +182,12 @@ class GradReducer:
         h, k, slot = entry
         h.wait()
         s, e = self.layout.blocks[k]
-        if self.stage == 0:
+        if self.mode == ALL_REDUCE:
             self.flat_grad[s:e].copy_(slot.bucket[:e - s])
         else:
             ch = self.own[k]
             res = slot.recv[:ch.size]
-            if self.stage == 1:
+            if self.mode == SCATTER_AT_BOUNDARY:
                 self.flat_grad[ch.flat_lo:ch.flat_hi].copy_(res)
             else:
                 self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res)

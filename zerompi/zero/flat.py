@@ -13,9 +13,8 @@ import torch.nn as nn
 from .partition import Chunk, FlatLayout
 
 
-def pack(tensors: Sequence[torch.Tensor], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:
-    """A new flat buffer (padding zeroed) holding copies of `tensors` at their offsets."""
-    flat = torch.zeros(layout.total, dtype=dtype)
+def pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: FlatLayout) -> torch.Tensor:
+    """Copy `tensors` to their offsets in `flat` (a zeroed buffer of layout.total)."""
     for t, o, n in zip(tensors, layout.offsets, layout.numels):
         flat[o:o + n].copy_(t.detach().reshape(-1))
     return flat
@@ -31,15 +30,16 @@ def bind_params(params: Sequence[nn.Parameter], flat: torch.Tensor, layout: Flat
         p.data = v
 
 
-def gather_chunks(flat: torch.Tensor, chunks: Sequence[Chunk], shard: torch.Tensor) -> None:
-    """shard[chunk.shard_lo ...] = flat[chunk.flat_lo ...] for every chunk."""
-    for c in chunks:
-        shard[c.shard_lo:c.shard_lo + c.size].copy_(flat[c.flat_lo:c.flat_hi])
+def gather_chunks(flat: torch.Tensor, layout: FlatLayout, chunks: Sequence[Chunk],
+                  shard: torch.Tensor, blocks=None, base: int = 0) -> None:
+    """shard[span.shard] = flat[span.mine] for every owned chunk (of `blocks`)."""
+    for sp in layout.spans(chunks, blocks, base):
+        shard[sp.shard].copy_(flat[sp.mine])
 
 
 def unshard(shards: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
     """Full flat buffer from all ranks' shards stacked as (world, shard_size)."""
-    flat = torch.empty(layout.total, dtype=shards.dtype)
+    flat = torch.empty(layout.total, dtype=shards.dtype, device=shards.device)
     for k, (s, e) in enumerate(layout.blocks):
         c = layout.chunk_size(k)
         lo = layout.block_shard_lo[k]

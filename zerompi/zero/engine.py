@@ -1,0 +1,291 @@
+"""ZeroEngine: the object a training loop talks to, for every stage.
+
+    engine = zerompi.initialize(model, {"stage": 2, "precision": "bf16"})
+    for x, y in batches:                      # one micro-batch per call
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()                         # updates on every GAS-th call
+
+The engine composes four parts; the stage picks them in one place (PARTS below) and no
+other code looks at the stage number:
+  state      ShardState (state.py): every buffer of model state, on one Placement
+  params     ReplicatedParams | PartitionedParams (params.py, partitioned.py)
+  reducer    GradReducer (grads.py): all-reduce | reduce-scatter at the boundary | per bucket
+  optimizer  ShardedAdamW over the shard's segment table (optim/adamw.py)
+Memory per rank and one step as data: docs/architecture.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from .. import config as config_mod
+from .. import runtime
+from ..config import ZeroConfig
+from ..device import Placement
+from ..optim import ShardedAdamW, build_groups, build_segments
+from ..precision import DTYPES, cast_inputs, make_scaler
+from . import flat, grads, state_io
+from .params import ReplicatedParams, sync_untracked
+from .partitioned import PartitionedParams
+from .partition import Chunk, FlatLayout
+from .state import ShardState
+
+
+@dataclass(frozen=True)
+class Parts:
+    store: type          # where working parameters live between uses
+    reduction: str       # how gradients reach the optimizer (grads.MODES)
+    owns_all: bool       # every rank holds and updates everything (plain data parallel)
+    full_grads: bool     # a full flat gradient buffer accumulates across micro-steps
+
+
+# The one place a stage number means something.
+PARTS = {
+    0: Parts(ReplicatedParams, grads.ALL_REDUCE, owns_all=True, full_grads=True),
+    1: Parts(ReplicatedParams, grads.SCATTER_AT_BOUNDARY, owns_all=False, full_grads=True),
+    2: Parts(ReplicatedParams, grads.SCATTER_PER_BUCKET, owns_all=False, full_grads=False),
+    3: Parts(PartitionedParams, grads.SCATTER_PER_BUCKET, owns_all=False, full_grads=False),
+}
+
+
+def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(model.named_parameters(remove_duplicate=True))
+
+
+def _placement(named: list) -> Placement:
+    devices = {p.device for _, p in named if p.device.type != "meta"}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+                         "move the whole model to one device first")
+    dev = devices.pop() if devices else torch.device("cpu")
+    if dev.type != "cpu":
+        # The placement is ready for it; the device data path (NCCL, device kernels,
+        # host-staged MPI) is issue 11.
+        raise ValueError(f"parameters on {dev}: the GPU data path is not implemented yet (issue 11); "
+                         "keep the model on the CPU")
+    return Placement(dev)
+
+
+class ZeroEngine:
+    def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
+                 param_groups: Sequence[dict] | None = None, dims: Any = None):
+        cfg = self.config = config_mod.load(config)
+        if dims is None:
+            from ..parallel import ParallelDims
+            dims = ParallelDims.from_config(cfg)
+        self.dims, self.comm = dims, dims.dp  # ZeRO partitions over the data-parallel group
+        self.module = model
+        self.rank, self.world = self.comm.rank, self.comm.size
+        self.dtype = DTYPES[cfg.precision]
+        self.mixed = self.dtype != torch.float32
+        parts = self.parts = PARTS[cfg.stage]
+
+        named = _unique_params(model)
+        placement = _placement(named)
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no parameters with requires_grad=True")
+        plan = parts.store.plan(model, trainable, cfg)
+        self.param_names = [n for n, _ in plan.order]
+        self.params = [p for _, p in plan.order]
+        groups, owner = build_groups(model, cfg.optimizer, param_groups)
+        self.param_groups = groups
+        group_of = [owner.get(id(p), 0) for p in self.params]
+
+        # sync: one pickled allgather at set-up, so diverging ranks fail here, named
+        runtime.check_same_everywhere(self.comm, config_mod.to_dict(cfg),
+                                      [(n, tuple(p.shape)) for n, p in plan.order])
+        self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world,
+                                          cfg.bucket_size, cfg.alignment, units=plan.unit_sizes)
+        own = ([Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)] if parts.owns_all
+               else layout.chunks(self.rank))
+        grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype
+        self.state = ShardState(layout, own, placement, self.dtype, grad_dtype,
+                                replicated=parts.store is ReplicatedParams, full_grads=parts.full_grads)
+        self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
+                                       self.comm, cfg, owns_all=parts.owns_all)
+        sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
+
+        self.optimizer = ShardedAdamW(build_segments(layout, own, group_of), self.state.views,
+                                      groups, len(self.params))
+        self.scaler = make_scaler(cfg.precision, cfg.fp16)
+        reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
+        self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
+                                         cfg.bucket_count, reduce_dtype)
+        self.micro_steps = 0      # engine.step() calls
+        self.global_steps = 0     # optimizer updates applied
+        self.skipped_steps = 0    # fp16 overflow skips
+        self.last_grad_norm: float | None = None
+        self._backward_pending = False
+        runtime.seed_everything(cfg.seed, self.rank)
+        runtime.release_free_memory()
+
+    # ------------------------------------------------------------------ training API
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_boundary(self) -> bool:
+        """True when the current micro-step ends with an optimizer update."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def __call__(self, *args, **kwargs):
+        if self.mixed:
+            args, kwargs = cast_inputs(args, self.dtype), cast_inputs(kwargs, self.dtype)
+        self.param_store.start_forward()
+        # No try/finally: after an exception nothing may communicate (see backward).
+        out = self.module(*args, **kwargs)
+        self.param_store.finish_forward()
+        return out
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (the mean over this rank's micro-batch)."""
+        if self._backward_pending:
+            raise RuntimeError("engine.backward() called twice without engine.step() in between")
+        if loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        self._backward_pending = True
+        contributions = self.world * self.gradient_accumulation_steps
+        self.reducer.begin(reduce=self.reducer.every_micro_step or self.is_boundary(),
+                           pre_scale=1.0 / contributions)
+        self.param_store.start_backward()
+        # No try/finally here: a rank whose backward raised must not go on to issue or
+        # wait on collectives its peers will never match; the error goes straight to the
+        # abort hook, which ends the whole job.
+        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        self.reducer.end()  # sync: waits for the last buckets' reductions
+        self.param_store.finish_backward()
+
+    def step(self) -> bool:
+        """Count one micro-step; at the accumulation boundary update. True if updated."""
+        if not self._backward_pending:
+            raise RuntimeError("engine.step() called without engine.backward() for this micro-batch")
+        self._backward_pending = False
+        boundary = self.is_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return False
+        scale = self.scaler.scale
+        sumsq, used = self._grad_stats()
+        overflow = not math.isfinite(sumsq)
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            self.last_grad_norm = float("inf")
+            self._zero_grads()
+            return False
+        norm = math.sqrt(sumsq) / scale
+        self.last_grad_norm = norm
+        coef = 1.0 / scale
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            # as torch.nn.utils.clip_grad_norm_: coefficient max/(norm+1e-6), clamped to 1
+            clip_coef = clip / (norm + 1e-6)
+            if clip_coef < 1.0:
+                coef = float(torch.tensor(clip_coef, dtype=torch.float32)) * coef
+        self.optimizer.step(grad_coef=coef, used=used)
+        self.param_store.after_update()  # sync: all-gather of the updated chunks
+        self._zero_grads()
+        self.global_steps += 1
+        return True
+
+    def _grad_stats(self) -> tuple[float, list[bool]]:
+        """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
+        and which parameters got a gradient on any rank: one small all-reduce."""
+        local = self.optimizer.grad_sq_norm()
+        if self.parts.owns_all:
+            local /= self.world  # every rank holds the whole reduced gradient
+        # sync: one float64 all-reduce; every rank decides overflow/clipping identically
+        vals = self.comm.allreduce_scalars([local] + self.reducer.used)
+        return vals[0], [v > 0 for v in vals[1:]]
+
+    def _zero_grads(self) -> None:
+        self.reducer.used = [0.0] * len(self.params)
+        self.state.zero_grads()
+        if self.state.flat_grad is not None:
+            self.reducer.attach_grads()
+        else:
+            for p in self.params:
+                p.grad = None
+
+    # ------------------------------------------------------------------ introspection
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
+        (on every rank with all_ranks=True); an empty dict on the other ranks."""
+        tracked = self.param_store.full_state(all_ranks)
+        if not (all_ranks or self.rank == 0):
+            return {}
+        return {name: tracked[name] if name in tracked else p.detach().float().clone()
+                for name, p in _unique_params(self.module)}
+
+    def materialized_params(self) -> list[str]:
+        """Names of trainable parameters whose full values exist on this rank now."""
+        return self.param_store.materialized()
+
+    def gathered(self, params, modifier_rank: int | None = None):
+        """Temporary full access (zerompi.GatheredParameters(..., engine=engine))."""
+        return self.param_store.gathered(params, modifier_rank)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds, by category, plus comm buffers."""
+        rep = self.state.memory_report()
+        rep["buffers"] = self.reducer.buffer_bytes()
+        rep.update(self.param_store.memory_extra())
+        # Gradients autograd holds outside our buffers right now (between hooks).
+        rep["loose_grads"] = sum(flat.nbytes(p.grad) for p in self.params
+                                 if p.grad is not None and self.state.flat_grad is None)
+        rep["numel"] = sum(self.layout.numels)
+        rep["padded_numel"] = self.layout.total
+        return rep
+
+    def comm_stats(self) -> dict:
+        return self.comm.stats()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.reset_stats()
+
+    # ------------------------------------------------------------------ checkpoints
+    STATE_KINDS = state_io.STATE_KINDS
+
+    def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None,
+                        keep_last: int | None = None):
+        """Atomic HDF5-sharded checkpoint (see docs/checkpoints.md); returns its path.
+        keep_last=K removes older checkpoints once this one is safely in place."""
+        from .. import checkpoint
+
+        return checkpoint.save(self, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+
+    def load_checkpoint(self, directory, tag: str | None = None) -> dict | None:
+        """Load the checkpoint `tag` (default: the 'latest' pointer) saved at any world
+        size or stage; returns its client_state, or None when none exists."""
+        from .. import checkpoint
+
+        return checkpoint.load(self, directory, tag=tag)
+
+    def export_state(self) -> dict:
+        return state_io.export_state(self)
+
+    def needed_pieces(self) -> list[tuple[str, tuple, int, int]]:
+        return state_io.needed_pieces(self)
+
+    def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
+        state_io.import_state(self, fetch, steps, param_groups, scaler, counters)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return state_io.full_grads(self)

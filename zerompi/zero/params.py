@@ -1,0 +1,119 @@
+"""Parameter stores: where the working (low-precision) parameters live between uses.
+
+ReplicatedParams (stages 0-2, here): every rank holds every parameter, as views of the
+ShardState's flat_param; after an update each rank's new chunks are all-gathered.
+PartitionedParams (stage 3, partitioned.py): only shards between uses, units gathered
+just in time.
+
+Both stores answer the same calls, so the engine never asks which one it has: plan(),
+start/finish_forward(), start/finish_backward(), after_update(), full_state(),
+gathered(), materialized(), memory_extra().
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from . import flat
+
+
+@dataclass
+class Plan:
+    """Flat-buffer order of the trainable parameters and how they group into units."""
+
+    order: list                         # [(name, param)] in flat-buffer order
+    unit_sizes: list[int] | None = None  # parameters per unit (None: one unit)
+    unit_names: list[str] = field(default_factory=list)
+    unit_persistent: list[bool] = field(default_factory=list)
+    module_params: dict = field(default_factory=dict)  # module -> [id(param)] it uses
+
+
+def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype) -> None:
+    """Broadcast frozen parameters and buffers from rank 0; cast floating ones to the
+    compute dtype, as module.to(dtype) would (DeepSpeed does the same)."""
+    for p in model.parameters():
+        if id(p) not in tracked:
+            t = p.detach().float().contiguous()
+            comm.broadcast(t, root=0)
+            p.data = t.to(dtype)
+    for mod in model.modules():
+        for _, b in mod.named_buffers(recurse=False):
+            if b is None:
+                continue
+            t = b.detach().contiguous()
+            comm.broadcast(t, root=0)
+            b.data = t.to(dtype) if t.is_floating_point() else t
+
+
+class ReplicatedParams:
+    """Stages 0-2: full parameters on every rank (views of state.flat_param)."""
+
+    @staticmethod
+    def plan(model: nn.Module, trainable: list, cfg) -> Plan:
+        # Backward order: the last registered parameter usually gets its gradient first.
+        return Plan(order=trainable[::-1])
+
+    def __init__(self, plan: Plan, params: list, names: list[str], layout, state, comm, cfg,
+                 owns_all: bool):
+        self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
+        self.owns_all = owns_all
+        for p in params:  # built under zerompi.Init: assemble the full values first
+            piece = getattr(p, "_zero_init", None)
+            if piece is not None:
+                p.data = piece.gather().to(p.dtype)
+                del p._zero_init
+        full32 = state.scratch_full32()
+        flat.pack_into(full32, params, layout)
+        comm.broadcast(full32, root=0)  # identical start everywhere: rank 0's values
+        state.set_full(full32)
+        del full32
+        flat.bind_params(params, state.flat_param, layout)
+
+    def start_forward(self) -> None:
+        pass
+
+    def finish_forward(self) -> None:
+        pass
+
+    def start_backward(self) -> None:
+        pass
+
+    def finish_backward(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        """Every rank's working parameters from the owners' updated chunks."""
+        if self.owns_all:
+            return
+        fp = self.state.flat_param
+        handles = [self.comm.all_gather(fp[sp.mine], fp[sp.block], async_op=True)
+                   for sp in self.layout.spans(self.state.own)]
+        for h in handles:
+            h.wait()
+
+    def full_state(self, all_ranks: bool) -> dict[str, torch.Tensor]:
+        st = self.state
+        if self.owns_all or not st.mixed:
+            full = (st.master if st.mixed else st.flat_param).float()
+        else:
+            gathered = st.placement.empty(self.comm.size * self.layout.shard_size, torch.float32)
+            self.comm.all_gather(st.master, gathered)
+            full = flat.unshard(gathered.view(self.comm.size, -1), self.layout)
+        if not (all_ranks or self.comm.rank == 0):
+            return {}
+        return {n: full[o:o + k].view(p.shape).clone() for n, p, o, k in
+                zip(self.names, self.params, self.layout.offsets, self.layout.numels)}
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
+        yield  # already full on every rank
+
+    def materialized(self) -> list[str]:
+        return list(self.names)
+
+    def memory_extra(self) -> dict[str, int]:
+        return {}

@@ -1,0 +1,89 @@
+"""Engine state <-> checkpoint tensors, by parameter name and element range.
+
+Each element of every parameter is exported by exactly one rank (stage 0: rank 0 holds
+and writes all), so the checkpoint is independent of world size and stage; loading
+asks each rank for the ranges it owns now (needed_pieces) and fills them.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import flat
+
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _exporting_segments(engine) -> list:
+    if engine.parts.owns_all and engine.rank != 0:
+        return []
+    return engine.optimizer.segments
+
+
+def _pieces(engine, segments) -> list[tuple[str, tuple, int, int]]:
+    return [(engine.param_names[s.param], tuple(engine.params[s.param].shape), s.param_lo,
+             s.param_lo + s.length) for s in segments]
+
+
+def export_state(engine) -> dict:
+    """This rank's share of the training state: {"pieces": [(name, shape, lo, hi)],
+    "tensors": {kind: fp32 vector}} where piece j's values are
+    tensors[kind][off_j : off_j + hi - lo] (offsets cumulative), plus "steps"
+    {name: AdamW step}, "param_groups", "scaler", "counters"."""
+    segs = _exporting_segments(engine)
+    cols: dict[str, list] = {kind: [] for kind in STATE_KINDS}
+    for s in segs:
+        master, _, exp_avg, exp_avg_sq, _ = engine.state.views(s.shard_lo, s.flat_lo, s.length)
+        for kind, t in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
+            cols[kind].append(t.float())
+    tensors = {kind: torch.cat(ts) if ts else torch.empty(0) for kind, ts in cols.items()}
+    opt = engine.optimizer
+    return {"pieces": _pieces(engine, segs), "tensors": tensors,
+            "steps": {n: opt.steps[i] for i, n in enumerate(engine.param_names)},
+            "param_groups": opt.state_dict()["param_groups"],
+            "scaler": engine.scaler.state_dict(),
+            "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                         "skipped_steps": engine.skipped_steps}}
+
+
+def needed_pieces(engine) -> list[tuple[str, tuple, int, int]]:
+    """(name, shape, lo, hi) of every parameter range this rank must load."""
+    return _pieces(engine, engine.optimizer.segments)
+
+
+def import_state(engine, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
+    """Load state saved by export_state (any world size or stage): fetch(kind, name,
+    lo, hi) returns the fp32 values of that range. Then refreshes every rank's working
+    parameters from the owners' masters."""
+    if engine._backward_pending:
+        raise RuntimeError("load the checkpoint between steps, not after backward()")
+    for s in engine.optimizer.segments:
+        master, _, exp_avg, exp_avg_sq, lowp = engine.state.views(s.shard_lo, s.flat_lo, s.length)
+        name, lo, hi = engine.param_names[s.param], s.param_lo, s.param_lo + s.length
+        for kind, dst in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
+            dst.copy_(fetch(kind, name, lo, hi))
+        if lowp is not None:
+            lowp.copy_(master)
+    opt = engine.optimizer
+    opt.load_state_dict({"steps": [int(steps[n]) for n in engine.param_names], "param_groups": param_groups})
+    engine.scaler.load_state_dict(scaler)
+    engine.global_steps = int(counters["global_steps"])
+    engine.micro_steps = int(counters["micro_steps"])
+    engine.skipped_steps = int(counters.get("skipped_steps", 0))
+    engine.param_store.after_update()
+    engine._zero_grads()
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """The reduced, unscaled fp32 gradient of the global batch, keyed by parameter
+    name, on every rank. Valid after the boundary micro-step's backward and before
+    step() (for debugging and tests; it materialises the whole gradient)."""
+    st, comm, layout = engine.state, engine.comm, engine.layout
+    if engine.parts.owns_all:
+        full = st.flat_grad.float()
+    else:
+        gathered = st.placement.empty(comm.size * layout.shard_size, torch.float32)
+        comm.all_gather(st.grad_shard_fp32(), gathered)
+        full = flat.unshard(gathered.view(comm.size, -1), layout)
+    full = full / engine.scaler.scale
+    return {n: full[o:o + k].view(p.shape).clone() for n, p, o, k in
+            zip(engine.param_names, engine.params, layout.offsets, layout.numels)}
