@@ -93,7 +93,8 @@ class CommConfig:
     """Collective communication."""
 
     backend: str = "auto"
-    """auto | mpi | nccl. auto: NCCL for GPU tensors when available, MPI otherwise."""
+    """auto | mpi | nccl. Today auto means mpi (CPU tensors); nccl is a config error
+    until the GPU data path lands (issue 11), when auto will pick NCCL for GPU tensors."""
     reduce_scatter: str = "ordered"
     """ordered: alltoall + sum in rank order, bitwise independent of bucket size;
     native: the library's reduce-scatter (faster on some fabrics, order not fixed)."""

@@ -107,9 +107,10 @@ class MPICommunicator:
         return None
 
     # ------------------------------------------------------------ collectives
-    def all_reduce(self, t, op: str = "sum", async_op: bool = False):
+    def all_reduce(self, t, op: str = "sum", async_op: bool = False, scratch: torch.Tensor | None = None):
         """In-place all-reduce. Sums of buffers divisible by the group size use the
-        ordered reduce-scatter + all-gather (deterministic, identical on all ranks)."""
+        ordered reduce-scatter + all-gather (deterministic, identical on all ranks);
+        `scratch` (>= t's size, same dtype) avoids allocating its receive space."""
         n = t.numel() if isinstance(t, torch.Tensor) else t.size
         self._stats.record("all_reduce", 2 * n, t.element_size() if isinstance(t, torch.Tensor) else t.itemsize)
         if self.size == 1:
@@ -118,7 +119,9 @@ class MPICommunicator:
                 and n % self.size == 0 and n >= self.size:
             c = n // self.size
             mine = t[self.rank * c:(self.rank + 1) * c]
-            scratch = torch.empty(n, dtype=t.dtype)
+            if scratch is None or scratch.numel() < n or scratch.dtype != t.dtype:
+                scratch = torch.empty(n, dtype=t.dtype)
+            scratch = scratch[:n]
             req = self.comm.Ialltoall(_arr(t, "all_reduce"), _arr(scratch, "scratch"))
 
             def finish():

@@ -173,7 +173,7 @@ class GradReducer:
             torch.mul(self.flat_grad[s:e], self.pre_scale, out=buf)
         c = self.layout.chunk_size(k)
         if self.mode == ALL_REDUCE:
-            h = self.comm.all_reduce(buf, async_op=True)
+            h = self.comm.all_reduce(buf, async_op=True, scratch=slot.scratch)
         else:
             h = self.comm.reduce_scatter(buf, slot.recv[:c], async_op=True, scratch=slot.scratch)
         self.inflight.append((h, k, slot))
