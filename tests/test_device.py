@@ -1,7 +1,16 @@
-"""Device binding and CUDA-aware MPI detection (the GPU parts run where a GPU exists)."""
+"""Device binding and CUDA-aware MPI detection (the GPU parts run where a GPU exists).
+
+Detection is checked against what the loaded MPI library itself answers (asked
+independently in the worker), never against a fact of one machine: pip's MPICH is not
+CUDA-aware, a site MPI may be; both must be reported as they are."""
+import json
+
+import pytest
 import torch
 
 from mpirun import run_worker
+
+VAR = "ZEROMPI_CUDA_AWARE_MPI"
 
 
 def test_local_ranks_and_detection(tmp_path):
@@ -9,13 +18,32 @@ def test_local_ranks_and_detection(tmp_path):
     assert sorted(i["local"] for i in r) == [0, 1, 2]  # one node: local rank == rank here
     assert all(i["per_node"] == 3 for i in r)
     assert all(i["libs"] for i in r), "the MPI library mpi4py loaded was not found"
-    # pip's MPICH is not CUDA-aware (FACTS.md); a site MPI may be.
-    assert all(i["cuda_aware"] is False for i in r)
+    for i in r:
+        # MPIX_Query_cuda_support's answer, or False where the library lacks the function
+        want = bool(i["queried"]) if i["queried"] is not None else False
+        assert i["detected"] == {"value": want}, i
+    assert len({json.dumps(i["detected"]) for i in r}) == 1  # one library, one answer
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     expect = [f"cuda:{i['local'] % n}" if n else "cpu" for i in r]
     assert [i["device"] for i in r] == expect
 
 
-def test_detection_override(tmp_path):
-    r = run_worker(2, "device_bind", [], tmp_path, env={"ZEROMPI_CUDA_AWARE_MPI": "1"})
-    assert all(i["cuda_aware"] is True for i in r)
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_detection_override(tmp_path, value):
+    """ZEROMPI_CUDA_AWARE_MPI=0/1 decides, whatever the library says; the library's own
+    answer is still what detection gives without the variable."""
+    r = run_worker(2, "device_bind", [], tmp_path, env={VAR: value})
+    for i in r:
+        assert i["as_launched"] == {"value": value == "1"}, i
+        want = bool(i["queried"]) if i["queried"] is not None else False
+        assert i["detected"] == {"value": want}, i
+
+
+@pytest.mark.parametrize("value", ["yes", "true", ""])
+def test_detection_override_invalid(tmp_path, value):
+    """Anything but 0/1 is a ValueError naming the variable and the value it had."""
+    r = run_worker(2, "device_bind", [], tmp_path, env={VAR: value})
+    for i in r:
+        got = i["as_launched"]
+        assert got.get("error") == "ValueError", i
+        assert VAR in got["message"] and repr(value) in got["message"], got

@@ -17,11 +17,12 @@ import os
 import pathlib
 import sys
 import sysconfig
-import tempfile
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from .fileio import atomic_write
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "Tokens", "H5Tokens", "TokenRange", "cache_dir_path",
@@ -58,24 +59,6 @@ def _stdlib_files() -> list[pathlib.Path]:
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         out.extend(pathlib.Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
     return out
-
-
-def _atomic_write(dest: pathlib.Path, data: bytes) -> None:
-    # Temp file in the same dir so os.replace is a same-filesystem atomic rename;
-    # concurrent builders write identical bytes, so whichever lands last is fine.
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _meta_path(bin_path: pathlib.Path) -> pathlib.Path:
@@ -129,8 +112,9 @@ def default_corpus(
         "sha256": hashlib.sha256(raw).hexdigest(),
     }
     # Meta first: the .bin's existence is what marks the cache complete.
-    _atomic_write(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
-    _atomic_write(dest, np.frombuffer(raw, dtype=np.uint8).astype(np.uint16).tobytes())
+    # Concurrent builders write identical bytes, so whichever rename lands last is fine.
+    atomic_write(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+    atomic_write(dest, np.frombuffer(raw, dtype=np.uint8).astype(np.uint16).tobytes())
     return dest
 
 
@@ -148,8 +132,8 @@ def write_tokens(
         raise ValueError(f"token values do not fit in {dt}")
     path.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "zerompi-tokens", "dtype": dt.name, "n_tokens": int(arr.size), **meta}
-    _atomic_write(_meta_path(path), (json.dumps(info, indent=1) + "\n").encode())
-    _atomic_write(path, arr.astype(dt).tobytes())
+    atomic_write(_meta_path(path), (json.dumps(info, indent=1) + "\n").encode())
+    atomic_write(path, arr.astype(dt).tobytes())
     return path
 
 

@@ -14,7 +14,9 @@ torch format is produced from the safetensors file: every tensor is a view of an
 of it, and torch.save reads them through the page cache. Resident memory is then
 file-backed pages the kernel can drop, not a second copy of the model; the cost is
 writing the data twice (for --format torch a temporary safetensors file is removed
-afterwards). Verification (sizes, sha256) runs first unless --no-verify.
+afterwards). Verification (sizes, sha256) runs first unless --no-verify. Every output
+file is written atomically (zerompi.fileio): an interrupted export never leaves a
+half-written model file under its final name.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from .checkpoint import verify as ver
 from .checkpoint.directory import resolve
 from .checkpoint.format import CheckpointError
 from .checkpoint.reader import PieceReader
+from .fileio import atomic_file, atomic_write
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -84,17 +87,13 @@ def write_safetensors(path: str, reader: PieceReader, m: dict, items: list[dict]
     header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    tmp = path + ".partial"
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for it in items:
             data = _tensor_bytes(reader, m, it)
             f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
             del data
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_safetensors_header(path: str) -> tuple[dict, int]:
@@ -125,12 +124,9 @@ def write_torch(path: str, st_path: str) -> None:
                 t = torch.frombuffer(mm, dtype=tdt[h["dtype"]], count=(b - a) // _ITEMSIZE[h["dtype"]],
                                      offset=base + a) if b > a else torch.empty(0, dtype=tdt[h["dtype"]])
                 sd[name] = t.view(h["shape"])
-        tmp = path + ".partial"
-        torch.save(sd, tmp)
-        sd, t = None, None  # drop the views so the mapping can close
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            torch.save(sd, f)
+            sd, t = None, None  # drop the views so the mapping can close
     finally:
         try:
             mm.close()
@@ -156,14 +152,15 @@ def export(ckpt_path: str, out: str, dtype: str = "fp32", fmt_: str = "safetenso
         written.append(st_path)
     if fmt_ in ("torch", "both"):
         pt = os.path.join(out, "model.pt")
-        write_torch(pt, st_path)
+        try:
+            write_torch(pt, st_path)
+        finally:
+            if fmt_ == "torch":
+                os.unlink(st_path)
         written.append(pt)
-        if fmt_ == "torch":
-            os.unlink(st_path)
     info = dict(meta, tensors={it["name"]: {"shape": it["shape"], "dtype": it["st"]} for it in items},
                 aliases=m.get("aliases", {}), files=[os.path.basename(w) for w in written])
-    with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    atomic_write(os.path.join(out, "export.json"), json.dumps(info, indent=1))
     return written
 
 

@@ -105,20 +105,24 @@ def agree(comm, errors=None) -> list[tuple[int, str, str]]:
     return out
 
 
-def raise_agreed(comm, errors=None, exc_type: type = ValueError, keep_types=(TypeError, ValueError),
-                 limit: int = 8) -> None:
-    """agree(), then raise on every rank if any rank failed. One failure keeps its class
-    when it is one of `keep_types` and reads "rank R: message" (no prefix in a 1-rank
-    job); several are listed, at most `limit`, under exc_type."""
+def raise_agreed(comm, errors=None, context: str = "", exc_type: type = ValueError,
+                 keep_types=(TypeError, ValueError), limit: int = 8) -> None:
+    """agree(), then raise on every rank if any rank failed: "context: rank R: message"
+    (no rank prefix in a 1-rank job), or "context: K problems:" and one such line per
+    distinct message (at most `limit`). The exception keeps the failures' own class
+    when they all share one of `keep_types` (bad arguments stay TypeError/ValueError);
+    otherwise it is exc_type."""
     found = agree(comm, errors)
     if not found:
         return
-    named = [msg if comm.size == 1 else f"rank {r}: {msg}" for r, _, msg in found]
-    if len(found) == 1:
-        cls = next((t for t in keep_types if t.__name__ == found[0][1]), exc_type)
-        raise cls(named[0])
-    more = f"\n  ... and {len(named) - limit} more" if len(named) > limit else ""
-    raise exc_type("\n  ".join([f"{len(named)} problems:"] + named[:limit]) + more)
+    classes = {cls for _, cls, _ in found}
+    cls = next((t for t in keep_types if classes == {t.__name__}), exc_type)
+    lines = [msg if comm.size == 1 else f"rank {r}: {msg}" for r, _, msg in found]
+    head = f"{context}: " if context else ""
+    if len(lines) == 1:
+        raise cls(head + lines[0])
+    more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
+    raise cls("\n  ".join([f"{head}{len(lines)} problems:"] + lines[:limit]) + more)
 
 
 def check_same_everywhere(comm, config: dict, shapes: list) -> None:

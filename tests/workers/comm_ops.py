@@ -3,7 +3,8 @@
 Rank r's input for a case is drawn from a generator seeded by (case, r), so every rank
 can rebuild all ranks' inputs and compute the global result itself: exact (bitwise) for
 data movement, max, and the 'ordered' sum (which must equal ((x0 + x1) + x2) + ... in
-rank order), to a tolerance for MPI's native sums (their order is MPICH's choice).
+rank order), and within the fp32 summation error bound for MPI's native sums (their
+order is MPICH's choice; see close()).
 A failed assertion aborts every rank (`python -m mpi4py`); rank 0 writes the JSON.
 """
 import argparse
@@ -15,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 from zerompi.comm import DoneHandle, Handle, MPICommunicator
-from zerompi.partition import FlatLayout
+from zerompi.zero.partition import FlatLayout
 
 torch.set_num_threads(1)
 
@@ -50,11 +51,29 @@ def exact_sum(xs):
     return torch.stack([x.double() for x in xs]).sum(0)
 
 
-def close(got, xs, rtol=1e-5):
-    """Native sum within fp32 rounding of the float64 sum (relative to the terms' size)."""
+U32 = 2.0 ** -24  # unit roundoff of fp32
+
+
+def close(got, xs):
+    """An fp32 sum of the N terms xs in SOME order is within rounding of the exact sum.
+
+    Whatever the order (rank order, a tree, MPICH's choice), every term passes through at
+    most N-1 fp32 additions, so |got - sum| <= gamma_{N-1} * sum|x_i| with
+    gamma_k = k*u / (1 - k*u) (Higham, Accuracy and Stability, 4.2). The float64
+    reference adds at most N * 2^-53 * sum|x_i| of its own. With one term nothing is
+    added: got must equal it. Returns (ok, worst ratio of error to bound)."""
+    k = len(xs) - 1
     ref = exact_sum(xs)
     scale = torch.stack([x.double().abs() for x in xs]).sum(0)
-    return bool(((got.double() - ref).abs() <= rtol * scale + 1e-30).all())
+    bound = (k * U32 / (1 - k * U32) + len(xs) * 2.0 ** -53) * scale + 2.0 ** -149
+    ratio = ((got.double() - ref).abs() / bound)
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    return bool((ratio <= 1).all()), worst
+
+
+def assert_close(got, xs, what):
+    ok, worst = close(got, xs)
+    assert ok, f"{what}: error {worst:.3g} x the fp32 summation bound"
 
 
 def bits(x):
@@ -75,7 +94,7 @@ xs = [data(c, r, n) for r in range(N)]
 t = xs[rank].clone()
 comm.all_reduce(t)
 assert bitwise(t, ordered_sum(xs)), "all_reduce ordered path not the rank-ordered sum"
-assert close(t, xs)
+assert_close(t, xs, "all_reduce ordered path")
 done.append("all_reduce_sum_ordered")
 
 c = next(case)
@@ -83,10 +102,10 @@ n = 37 * N + 1                                # not divisible: native Allreduce
 xs = [data(c, r, n) for r in range(N)]
 t = xs[rank].clone()
 comm.all_reduce(t)
-assert close(t, xs), "all_reduce native path"
+assert_close(t, xs, "all_reduce native path")
 t = xs[rank].clone()
 native.all_reduce(t)                          # native communicator, any size
-assert close(t, xs)
+assert_close(t, xs, "native all_reduce")
 done.append("all_reduce_sum_native")
 
 for op, fn in (("max", torch.maximum), ("min", torch.minimum)):
@@ -119,7 +138,7 @@ for name, cm, dtype in (("ordered_fp32", comm, torch.float32), ("native_fp32", n
     if cm is comm:
         assert bitwise(recv, ordered_sum(xs)[mine]), f"reduce_scatter {name}"
     else:
-        assert close(recv, [x[mine] for x in xs]), f"reduce_scatter {name}"
+        assert_close(recv, [x[mine] for x in xs], f"reduce_scatter {name}")
     done.append(f"reduce_scatter_{name}")
 
 if N > 1:  # MPI has no bf16 sum: the native path must refuse it (on every rank alike)
@@ -186,7 +205,7 @@ for h in reversed(handles):
     assert h.done and h.test()
     h.wait()                                      # idempotent
 assert bitwise(t_ar, ordered_sum(ar_x))
-assert close(t_ar2, ar2_x)
+assert_close(t_ar2, ar2_x, "async native all_reduce")
 assert bitwise(rs_out, ordered_sum(rs_x)[rank * 7:(rank + 1) * 7])
 assert bitwise(ag_out, torch.cat(ag_x))
 done.append("async_reverse_wait")
@@ -256,7 +275,10 @@ done.append("size_mismatch_raises")
 # ---------------------------------------------------------------- bucket independence
 # The reason for 'ordered': reducing one big buffer, or the same buffer bucket by bucket
 # as the engine does (each block cut into N equal chunks, rank r keeps chunk r), must
-# give bitwise the same sum for every element.
+# give bitwise the same sum for every element. The native algorithm promises less: every
+# element within fp32 rounding of the exact sum (asserted for the whole buffer and for
+# every chunk); how many elements differ from the ordered sum is recorded per block
+# size, with how many were compared, for the test to check (its value is MPICH's).
 c = next(case)
 numels = [1, 997, 0, 4099, 31, 2, 1021]
 mismatch_native = {}
@@ -286,17 +308,21 @@ for req_block in (1, 64, 300, 1000, 4096, 10**9):
         for ch in L.chunks(q):
             g_blocks[ch.flat_lo:ch.flat_hi] = g_shards[q, ch.shard_lo:ch.shard_lo + ch.size]
     assert bitwise(g_big, g_blocks), f"ordered reduce_scatter depends on bucket size {req_block}"
-    # native: only within rounding; how often it differs is reported, not asserted
+    # native: whole buffer and every chunk within rounding of the exact sum
     nbig = torch.empty(n)
     native.reduce_scatter(xs[rank], nbig)
-    assert close(nbig, [x[rank * n:(rank + 1) * n] for x in xs]), "native reduce_scatter"
-    diff = 0
+    assert_close(nbig, [x[rank * n:(rank + 1) * n] for x in xs], f"native reduce_scatter, block {req_block}")
+    diff = compared = 0
     for ch in L.chunks(rank):
         part = nshard[ch.shard_lo:ch.shard_lo + ch.size]
         ref = [x[ch.flat_lo:ch.flat_hi] for x in xs]
-        assert close(part, ref), "native per-bucket reduce_scatter"
+        assert_close(part, ref, f"native per-bucket reduce_scatter, block {req_block}, chunk {ch}")
         diff += int((bits(part) != bits(full[ch.flat_lo:ch.flat_hi])).sum())
-    mismatch_native[str(L.block)] = comm.allreduce_scalars([float(diff)])[0]
+        compared += ch.size
+    assert compared == n, f"chunks of rank {rank} cover {compared} of its {n} shard elements"
+    diff, compared = comm.allreduce_scalars([float(diff), float(compared)])
+    mismatch_native[str(req_block)] = {"block": L.block, "total": L.total,
+                                       "compared": compared, "differing": diff}
 done.append("bucket_independence")
 details["native_elements_differing_from_ordered"] = mismatch_native
 

@@ -5,10 +5,12 @@ DIR/
   TAG/                   complete checkpoints (manifest.json, index.h5, rank-*.h5)
   .tmp-TAG-XXXX/         a save in progress, or the remains of one that crashed
   .old-TAG-XXXX/         a checkpoint moved aside while TAG is being replaced
+  .latest.XXXX.tmp       `latest` being replaced, or what a crash left of that
 
 Crash safety comes from ordering: a checkpoint directory only ever appears under its
-tag by rename(2) after every file in it is fsynced, and `latest` is replaced by rename
-after that. Saving over an existing TAG needs two renames (TAG -> .old-TAG-X, then the
+tag by rename(2) after every file in it is fsynced, and `latest` is replaced atomically
+after that (zerompi.fileio.atomic_write: temporary .latest.*.tmp, fsync, rename, fsync
+of DIR). Saving over an existing TAG needs two renames (TAG -> .old-TAG-X, then the
 new one -> TAG); between them `latest` may name a TAG that is absent, so lookup falls
 back to the newest complete .old-TAG-* (the previous checkpoint, intact).
 """
@@ -18,6 +20,7 @@ import os
 import secrets
 import shutil
 
+from ..fileio import atomic_write, fsync_path
 from . import format as fmt
 from .format import CheckpointError
 
@@ -25,15 +28,15 @@ from .format import CheckpointError
 def publish(directory: str, tmp: str, tag: str) -> str:
     """Move the finished tmp dir to DIR/TAG (replacing an older TAG), then point
     `latest` at it. Every step is durable before the next one starts."""
-    fmt.fsync_path(tmp)
+    fsync_path(tmp)
     final = os.path.join(directory, tag)
     old = None
     if os.path.lexists(final):
         old = os.path.join(directory, f"{fmt.OLD_PREFIX}{tag}-{secrets.token_hex(4)}")
         os.rename(final, old)
-        fmt.fsync_path(directory)
+        fsync_path(directory)
     os.rename(tmp, final)
-    fmt.fsync_path(directory)
+    fsync_path(directory)
     write_latest(directory, tag)
     if old:
         shutil.rmtree(old, ignore_errors=True)
@@ -41,10 +44,7 @@ def publish(directory: str, tmp: str, tag: str) -> str:
 
 
 def write_latest(directory: str, tag: str) -> None:
-    tmp = os.path.join(directory, f".{fmt.LATEST}.tmp-{secrets.token_hex(4)}")
-    fmt.write_file_durably(tmp, (tag + "\n").encode())
-    os.replace(tmp, os.path.join(directory, fmt.LATEST))
-    fmt.fsync_path(directory)
+    atomic_write(os.path.join(directory, fmt.LATEST), tag + "\n")
 
 
 def cleanup(directory: str) -> None:
@@ -54,7 +54,7 @@ def cleanup(directory: str) -> None:
         p = os.path.join(directory, entry)
         if entry.startswith((fmt.TMP_PREFIX, fmt.OLD_PREFIX)) and os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
-        elif entry.startswith(f".{fmt.LATEST}.tmp-"):
+        elif entry.startswith(f".{fmt.LATEST}.") and os.path.isfile(p):  # write_latest's temporary
             try:
                 os.unlink(p)
             except OSError:

@@ -1,18 +1,21 @@
 """Names, HDF5 types and small file helpers shared by the checkpoint writer and readers.
 
 No torch here: `python -m zerompi.inspect` and the verifier import only h5py/numpy, so
-they start fast and run on machines without the training stack.
+they start fast and run on machines without the training stack. Durable writes and
+fsync come from zerompi.fileio, agreeing on errors from zerompi.runtime.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import threading
 from typing import Any
 
 import numpy as np
+
+from .. import runtime
+from ..fileio import fsync_path
 
 FORMAT = "zerompi-checkpoint"
 VERSION = 1
@@ -34,6 +37,14 @@ _HASH_BLOCK = 8 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+_MAX_LISTED = 8
+
+
+def raise_agreed(comm, errors, context: str) -> None:
+    """runtime.raise_agreed with checkpoint problems raised as CheckpointError."""
+    runtime.raise_agreed(comm, errors, context, exc_type=CheckpointError, limit=_MAX_LISTED)
 
 
 def rank_file(rank: int) -> str:
@@ -118,22 +129,6 @@ def fsync_and_hash(path: str) -> tuple[str, int]:
     if errors:
         raise errors[0]
     return result
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or directory (a rename is durable only once its directory is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durably(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ------------------------------------------------------------------ JSON

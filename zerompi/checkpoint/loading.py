@@ -3,7 +3,8 @@
 1. rank 0 finds the checkpoint (tag or DIR/latest) and broadcasts manifest.json;
 2. every rank checks all file sizes and hashes its share of the files (file i on rank
    i % M), checks piece coverage and that names/shapes match the model; the ranks
-   exchange their findings, so either all continue or all raise CheckpointError;
+   agree on their findings (format.raise_agreed), so either all continue or all raise
+   CheckpointError, naming the rank and the file;
 3. every rank reads only the element ranges it owns now (engine.needed_pieces() via
    fetch), from the rank files that hold them, and engine.import_state installs them.
 
@@ -28,41 +29,27 @@ from .format import CheckpointError
 from .reader import PieceReader
 from .writer import model_tensors, module_tensors
 
-_MAX_MESSAGES = 8
-
-
-def _agree(comm, errors: list[str]) -> None:
-    everyone = comm.allgather_object(errors)
-    seen: list[str] = []
-    for errs in everyone:
-        for e in errs:
-            if e not in seen:
-                seen.append(e)
-    if seen:
-        more = f"\n  ... and {len(seen) - _MAX_MESSAGES} more" if len(seen) > _MAX_MESSAGES else ""
-        raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(seen[:_MAX_MESSAGES]) + more)
+_CONTEXT = "cannot load checkpoint"
 
 
 def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
-    found = None
+    """(checkpoint directory, manifest.json bytes), found by rank 0 and broadcast;
+    (None, None) when DIR holds no checkpoint."""
+    found, err = (None, None), None
     if comm.rank == 0:
         try:
             ckpt = dirs.resolve(directory, tag)
-            if ckpt is None:
-                found = ("none", None, None)
-            else:
+            if ckpt is not None:
                 path = os.path.join(ckpt, fmt.MANIFEST)
                 try:
                     with open(path, "rb") as f:
-                        found = ("ok", ckpt, f.read())
+                        found = (ckpt, f.read())
                 except FileNotFoundError:
                     raise CheckpointError(f"{path}: missing (not a complete zerompi checkpoint)") from None
         except (CheckpointError, ValueError, OSError) as e:
-            found = ("error", str(e), None)
-    status, ckpt, text = comm.bcast_object(found)
-    if status == "error":
-        raise CheckpointError(ckpt)
-    return ckpt, text
+            err = str(e)
+    fmt.raise_agreed(comm, err, _CONTEXT)
+    return comm.bcast_object(found)
 
 
 def _check(engine, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, list[str]]:
@@ -102,7 +89,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
     if ckpt is None:
         return None
     manifest, errors = _check(engine, ckpt, text, verify)
-    _agree(comm, errors)
+    fmt.raise_agreed(comm, errors, _CONTEXT)
 
     same_world = manifest["world_size"] == comm.size
     reader = PieceReader(ckpt, manifest)
@@ -115,7 +102,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
             extra = {n: reader.module_tensor(n) for n in manifest.get("module_tensors", {})}
         except CheckpointError as e:
             errors.append(str(e))
-        _agree(comm, errors)
+        fmt.raise_agreed(comm, errors, _CONTEXT)
 
         def fetch(kind: str, name: str, lo: int, hi: int) -> torch.Tensor:
             return torch.from_numpy(reader.read(kind, name, lo, hi))

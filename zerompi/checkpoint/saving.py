@@ -3,10 +3,16 @@
 1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
 2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
 3. each rank writes rank-XXXXX.h5, then fsyncs and hashes it (sha256) at once;
-4. the ranks exchange piece tables and errors (this is the barrier: every file is durable);
-5. rank 0 writes index.h5 and manifest.json, fsyncs them and the directory, renames it
-   to DIR/TAG, rewrites DIR/latest (tmp + rename + fsync), cleans up crashed saves and
-   applies keep_last; the outcome is broadcast so all ranks return or raise together.
+4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
+   file is durable);
+5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
+   to DIR/TAG, rewrites DIR/latest (zerompi.fileio.atomic_write), cleans up crashed
+   saves and applies keep_last; the ranks agree on its outcome, so all of them return
+   or raise together.
+
+Every error agreement is format.raise_agreed (zerompi.runtime.agree underneath): the
+message names the rank and the file; bad arguments keep TypeError/ValueError, anything
+else is CheckpointError.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import warnings
 import h5py
 import torch
 
+from ..fileio import atomic_write
 from . import directory as dirs
 from . import format as fmt
 from .format import CheckpointError
@@ -29,15 +36,6 @@ from .verify import check_coverage
 from .writer import model_tensors, write_rank_file
 
 _PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _agree(comm, error: BaseException | None) -> None:
-    """All ranks raise if any rank failed: same exception class, that rank's message."""
-    errs = comm.allgather_object(None if error is None else (type(error).__name__, str(error)))
-    for r, e in enumerate(errs):
-        if e is not None:
-            cls = {"TypeError": TypeError, "ValueError": ValueError}.get(e[0], CheckpointError)
-            raise cls(e[1] if comm.size == 1 else f"rank {r}: {e[1]}")
 
 
 def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp: str | None) -> dict:
@@ -89,7 +87,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
             raise ValueError(f"keep_last={keep_last!r}: must be a positive int or None")
     except (TypeError, ValueError) as e:
         err = e
-    _agree(comm, err)
+    fmt.raise_agreed(comm, err, "save_checkpoint")  # TypeError/ValueError, as raised
 
     tmp = err = None
     if rank == 0:
@@ -100,10 +98,10 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide it from teammates
         except OSError as e:
-            err = e
-    tmp, tag, msg = comm.bcast_object((tmp, tag, None if err is None else str(err)))
-    if msg:
-        raise CheckpointError(f"save_checkpoint: cannot create a directory in {directory}: {msg}")
+            err = f"cannot create a directory in {directory}: {e}"
+    fmt.raise_agreed(comm, err, f"save_checkpoint to {os.path.join(directory, tag)}")
+    tmp, tag = comm.bcast_object((tmp, tag))  # rank 0's tag, should the ranks differ
+    target = os.path.join(directory, tag)
 
     lowp = fmt.lowp_kind(engine.config.precision)
     info, err = None, None
@@ -112,15 +110,16 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
         info = write_rank_file(path, engine, tag, lowp)
         info["sha256"], info["size"] = fmt.fsync_and_hash(path)
     except Exception as e:  # disk full, permissions... : every rank must hear of it
-        err = e
-    infos = comm.allgather_object(info if err is None else {"error": f"{type(err).__name__}: {err}"})
-    bad = [(r, i["error"]) for r, i in enumerate(infos) if "error" in i]
-    if bad:
+        err = f"{fmt.rank_file(rank)}: {type(e).__name__}: {e}"
+    try:
+        fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")
+    except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"save_checkpoint to {directory}/{tag}: rank {bad[0][0]}: {bad[0][1]}")
+        raise
+    infos = comm.allgather_object(info)  # every rank file is durable from here on
 
-    outcome = None
+    err = None
     if rank == 0:
         try:
             manifest = _build_manifest(engine, tag, infos, client_json, lowp)
@@ -131,20 +130,16 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
             write_index(index_path, manifest)
             digest, size = fmt.fsync_and_hash(index_path)
             manifest["index"] = {"file": fmt.INDEX, "size": size, "sha256": digest}
-            text = json.dumps(fmt.seal(manifest), indent=1).encode()
-            fmt.write_file_durably(os.path.join(tmp, fmt.MANIFEST), text)
-            final = dirs.publish(directory, tmp, tag)
-            outcome = ("ok", final)
+            atomic_write(os.path.join(tmp, fmt.MANIFEST), json.dumps(fmt.seal(manifest), indent=1))
+            dirs.publish(directory, tmp, tag)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            outcome = ("error", f"{type(e).__name__}: {e}")
-        if outcome[0] == "ok":
+            err = f"{type(e).__name__}: {e}"
+        else:
             try:  # housekeeping: the checkpoint is already published, so only warn
                 dirs.cleanup(directory)
                 dirs.rotate(directory, keep_last, tag)
             except OSError as e:
-                warnings.warn(f"checkpoint {outcome[1]} saved, but cleaning up {directory} failed: {e}")
-    status, value = comm.bcast_object(outcome)
-    if status != "ok":
-        raise CheckpointError(f"save_checkpoint to {directory}/{tag}: rank 0: {value}")
-    return value
+                warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
+    fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's publish outcome
+    return target
