@@ -7,7 +7,9 @@ import json
 import pytest
 
 from zerompi import config as C
+from zerompi import train_config
 from zerompi.config import ZeroConfig, load, parse_overrides, to_dict
+from zerompi.train_config import ModelConfig, TrainConfig
 
 
 def test_defaults():
@@ -177,3 +179,57 @@ def test_frozen():
 def test_precisions_constant():
     for p in C.PRECISIONS:
         assert load(None, [f"precision={p}"]).precision == p
+
+
+# ---------------------------------------------------------------- sections, nesting, round trips
+
+
+@pytest.mark.parametrize("overrides,key,value", [
+    (["zero.optimizer.lr=-1"], "'zero.optimizer.lr'", "-1.0"),
+    (["--zero.fp16.window", "0"], "'zero.fp16.window'", "0"),
+    (["model.n_head=3"], "'model.n_head'", "3"),  # tiny's n_embd 64 is not divisible by 3
+    (["zero.stage=7"], "'zero.stage'", "7"),
+])
+def test_train_config_names_the_full_dotted_key(overrides, key, value):
+    with pytest.raises(C.ConfigError) as e:
+        train_config.load(None, overrides)
+    assert str(e.value).startswith(f"config key {key} = {value}: "), str(e.value)
+
+
+def test_train_config_nested_in_a_file(tmp_path):
+    p = tmp_path / "t.toml"
+    p.write_text("max_steps = 5\n[zero.optimizer]\nlr = -1\n")
+    with pytest.raises(ValueError, match=r"^config key 'zero\.optimizer\.lr' = -1\.0: must be >= 0$"):
+        train_config.load(p)
+
+
+def test_tensor_parallel_size_is_rejected_naming_the_key():
+    with pytest.raises(C.ConfigError, match=r"^config key 'tensor_parallel_size' = 2: "
+                                            r"tensor parallelism is not implemented yet"):
+        ZeroConfig(tensor_parallel_size=2)
+    with pytest.raises(C.ConfigError, match=r"^config key 'zero\.tensor_parallel_size' = 2: "):
+        C.load({"zero": {"tensor_parallel_size": 2}}, cls=TrainConfig)
+
+
+@pytest.mark.parametrize("make,key", [
+    (lambda: C.OptimizerConfig(lr=-1), "'lr' = -1"),
+    (lambda: C.LossScaleConfig(window=0), "'window' = 0"),
+    (lambda: C.CommConfig(backend="gloo"), "'backend' = 'gloo'"),
+    (lambda: C.Stage3Config(prefetch_modules=-1), "'prefetch_modules' = -1"),
+])
+def test_sections_validate_on_construction(make, key):
+    with pytest.raises(C.ConfigError) as e:
+        make()
+    assert isinstance(e.value, ValueError)  # callers catching ValueError keep working
+    assert str(e.value).startswith(f"config key {key}: "), str(e.value)
+
+
+def test_to_dict_round_trips_every_config():
+    zero = load({"stage": 3, "precision": "bf16", "optimizer": {"lr": 3e-4, "betas": [0.8, 0.95]},
+                 "fp16": {"window": 50}, "comm": {"reduce_scatter": "native"}})
+    train = TrainConfig(model=ModelConfig(preset="small", n_layer=2), max_steps=7, zero=zero)
+    for cfg in (ZeroConfig(), zero, TrainConfig(), train):
+        d = to_dict(cfg)
+        assert load(d, cls=type(cfg)) == cfg
+        assert load(json.loads(json.dumps(d)), cls=type(cfg)) == cfg  # as written to config.json
+    assert to_dict(train)["zero"]["optimizer"]["betas"] == (0.8, 0.95)

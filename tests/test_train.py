@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from mpirun import mpi_env, run_mpi
 
@@ -111,6 +112,54 @@ def test_bad_key_fails_fast_naming_it(tmp_path, corpus, args, needle):
     assert needle in res.stdout
     assert res.stdout.count(needle) == 1  # printed once (rank 0), not once per rank
     assert res.elapsed < 15
+
+
+def train_cli(cmd, timeout=60):
+    """`mpiexec ...CMD` with stdout and stderr apart (run_mpi merges them): (rc, out, err)."""
+    p = subprocess.Popen(["mpiexec"] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=mpi_env(), start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"timeout after {timeout}s: {cmd}\n{out[-2000:]}\n{err[-2000:]}")
+    return p.returncode, out, err
+
+
+def assert_one_error_line(rc, out, err, needle):
+    """Exit 2 and a single `zerompi.train: error...` line on stderr, from rank 0 only."""
+    assert rc == 2, (out[-2000:], err[-2000:])
+    assert "Traceback" not in out + err, err
+    assert err.splitlines() == [err.strip()] and err.startswith("zerompi.train: error"), err
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["zero.tensor_parallel_size=2"],
+     "error: config key 'zero.tensor_parallel_size' = 2: tensor parallelism is not implemented"),
+    (["--zero.optimizer.lr", "-1"], "error: config key 'zero.optimizer.lr' = -1.0: must be >= 0"),
+])
+def test_config_error_is_one_line_on_stderr(tmp_path, corpus, args, needle):
+    run_dir = tmp_path / "bad"
+    rc, out, err = train_cli(["-n", "2", sys.executable] + TRAIN + FAST
+                             + ["--data", corpus, "--run_dir", str(run_dir)] + args)
+    assert_one_error_line(rc, out, err, needle)
+    assert not run_dir.exists()  # failed before anything was written
+
+
+def test_rank_with_another_config_is_named(tmp_path, corpus):
+    """Ranks launched with different arguments (MPMD) agree to stop, and rank 1 is named."""
+    argv = [sys.executable] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(tmp_path / "r")]
+    rc, out, err = train_cli(["-n", "1"] + argv + [":", "-n", "1"] + argv + ["--max_steps", "4"])
+    assert_one_error_line(rc, out, err, "error on rank 1: this rank's config differs from rank 0's")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_config_error(tmp_path, corpus):
+    rc, out, err = train_cli(["-n", "2", sys.executable] + TRAIN + FAST
+                             + ["--data", corpus, "--run_dir", str(tmp_path / "r"), "--device", "cuda"])
+    assert_one_error_line(rc, out, err, "error: config key 'device' = 'cuda': no CUDA device visible")
 
 
 def test_signal_checkpoints_exits_124_and_rerun_matches(tmp_path, corpus, tiny_run):

@@ -35,6 +35,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+import zerompi
+
+from . import comm, runtime, train_config
+from .config import ConfigError, to_dict
+from .data import TokenSampler, default_corpus, open_tokens, split_tokens
+from .fileio import atomic_write
+from .models.gpt import GPT
+from .optim import decay_groups
+from .parallel.dims import ParallelDims
+
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
 
 # Set by SIGUSR1/SIGTERM. The handler does nothing else: MPI and torch are not
@@ -79,9 +92,9 @@ def _threads_per_rank(local_ranks: int) -> int:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit in ("B", "KB") else f"{n:.1f}{unit}"
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.1f}MB" if unit == "MB" else f"{n:.0f}{unit}"
         n /= 1024
     return f"{n:.1f}GB"
 
@@ -97,61 +110,134 @@ def _trim_metrics(path: Path, upto: int) -> None:
                 keep.append(line)
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(k + "\n" for k in keep))
+
+
+def _agreed_config(argv: list[str]):
+    """The TrainConfig, or None once rank 0 printed the job's one error line. Every rank
+    parses and checks for itself; runtime.agree shares the failures, so a rank that failed
+    alone (or read another file than rank 0) never leaves the others in a collective."""
+    world = comm.create(runtime.init())  # the grid needs the config, so agree before it
+    cfg, error = None, None
+    try:
+        cfg = train_config.from_argv(argv)
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device", "cuda", "no CUDA device visible to this rank")
+    except ValueError as e:
+        error = e
+    mine = to_dict(cfg) if cfg else None
+    ref = world.bcast_object(mine)  # sync: set-up only, rank 0's config is the reference
+    if error is None and ref is not None and mine != ref:
+        error = "this rank's config differs from rank 0's (same file and arguments everywhere?)"
+    errors = runtime.agree(world, error)
+    if errors and world.rank == 0:  # one line for the whole job, naming the first rank that failed
+        r, _, msg = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        print(f"zerompi.train: error{f' on rank {r}' if r else ''}: {msg}{more}", file=sys.stderr, flush=True)
+    return None if errors else cfg
+
+
+def _data_state(cfg) -> dict:
+    """What the data order depends on besides the step: saved in checkpoints, checked on resume."""
+    return {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch, "block_size": cfg.seq_len}
+
+
+def save(engine, ckpt_dir: Path, cfg, step: int) -> None:
+    """Checkpoint after `step` steps. The sampler is a pure function of (seed, step), so the
+    step *is* the data position; keep_last rotates old checkpoints once the new one is in place."""
+    engine.save_checkpoint(ckpt_dir, tag=f"step_{step:07d}", keep_last=cfg.keep_last or None,
+                           client_state={"step": step, "tokens": step * cfg.global_batch * cfg.seq_len,
+                                         "data": _data_state(cfg), "config": to_dict(cfg)})
+
+
+def evaluate(engine, val_data, cfg, dims, device) -> float:
+    """Mean validation loss over eval_batches x global_batch sequences, all ranks."""
+    B, G, r, n = cfg.global_batch, engine.gradient_accumulation_steps, dims.dp_rank, dims.dp_size
+    engine.eval()
+    loss_sum, rows_sum = 0.0, 0
+    with torch.no_grad():
+        for b in range(min(cfg.eval_batches, val_data.num_eval_batches(B))):
+            for m in range(G):
+                rows = TokenSampler.rows(m, r, n, B, G)
+                # A rank with no rows still runs a forward (stage 3 gathers parameters
+                # in it), on one borrowed row that is weighted 0.
+                x, y = val_data.eval_batch(b, r, n, B, m, G) if rows else val_data.eval_batch(b, 0, 1, 1)
+                _, loss = engine(x.to(device), y.to(device))
+                loss_sum += loss.item() * rows  # sync: host waits for the device (GPU)
+                rows_sum += rows
+    engine.train()
+    # sync: collective over dp, where the batch is split. Ranks hold different numbers of
+    # rows: divide the sum of row-weighted losses by the rows.
+    loss_total, rows_total = dims.dp.allreduce_scalars([loss_sum, float(rows_sum)])
+    return loss_total / rows_total
+
+
+class Progress:
+    """Rank 0's output: every step to metrics.jsonl, every log_interval-th step (and evals
+    and the last) to a tqdm bar or a printed line. Other ranks get a silent one."""
+
+    def __init__(self, cfg, metrics_path: Path, start_step: int, mfu_label: str, active: bool):
+        self.cfg, self.mfu_label, self.active, self.bar = cfg, mfu_label, active, None
+        self.show = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
+        self.file = open(metrics_path, "a", buffering=1) if active else None
+        if active and self.show == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def update(self, rec: dict) -> None:
+        if not self.active:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        if self.bar is not None:
+            self.bar.update(1)
+        step, val = rec["step"], rec.get("val_loss")
+        if step % self.cfg.log_interval and step != self.cfg.max_steps and val is None:
+            return
+        mem = f" rss {_fmt_bytes(rec['rss'])} states {_fmt_bytes(rec['model_state_bytes'])}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"loss {rec['loss']:.4f}" + (f" val {val:.4f}" if val is not None else "")
+                + f" {rec['tokens_per_s']:,.0f} tok/s {self.mfu_label} {100 * rec['mfu']:.1f}%" + mem)
+        elif self.show == "lines":
+            print(f"step {step}/{self.cfg.max_steps} loss {rec['loss']:.4f}"
+                  + (f" val_loss {val:.4f}" if val is not None else "")
+                  + f" lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
+                  + f" {self.mfu_label} {100 * rec['mfu']:.2f}%" + mem, flush=True)
+
+    def close(self, message: str) -> None:
+        if self.active:
+            if self.bar is not None:
+                self.bar.close()
+            self.file.close()
+            print(f"zerompi.train: {message}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     argv = sys.argv[1:] if argv is None else list(argv)
-    from . import train_config
-
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         print("Keys and defaults:\n" + "\n".join(train_config.describe()))
         return EXIT_OK
 
     # ---------------------------------------------------------------- config, agreed by all ranks
-    from . import runtime
-
-    world = runtime.init().Dup()  # private communicator for the loop's own small reductions
-    rank = world.Get_rank()
-    try:
-        cfg, error = train_config.from_argv(argv), None
-    except ValueError as e:
-        cfg, error = None, str(e)
-    # Every rank parses for itself; exchanging the outcome means a rank that failed (or
-    # read a different file) cannot leave the others waiting in a collective.
-    outcomes = world.allgather((error, train_config.to_dict(cfg) if cfg else None))
-    errors = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
-    if not errors and any(d != outcomes[0][1] for _, d in outcomes):
-        errors = [(next(r for r, (_, d) in enumerate(outcomes) if d != outcomes[0][1]),
-                   "this rank's config differs from rank 0's (same file and arguments everywhere?)")]
-    if errors:
-        if rank == 0:
-            r, e = errors[0]
-            print(f"zerompi.train: error{f' on rank {r}' if r else ''}: {e}", file=sys.stderr, flush=True)
+    cfg = _agreed_config(argv)
+    if cfg is None:
         return EXIT_USAGE
 
-    import numpy as np
-    import torch
-
-    import zerompi
-    from .data import TokenSampler, default_corpus, open_tokens, split_tokens
-    from .models.gpt import GPT
-    from .optim import decay_groups
-
-    local_rank, local_ranks = runtime.local_rank(world)
+    # ---------------------------------------------------------------- process grid
+    dims = ParallelDims.from_config(cfg.zero)
+    local_rank, local_ranks = runtime.local_rank(runtime.init())
     threads = cfg.threads or _threads_per_rank(local_ranks)
     torch.set_num_threads(threads)
 
     # ---------------------------------------------------------------- data
     if cfg.data == "default":
-        if rank == 0:
+        if dims.rank == 0:
             default_corpus()  # build the cache once, not on every rank at the same time
-        world.Barrier()
+        dims.world.barrier()  # sync: nobody opens the cache before it is complete
     train_tokens, val_tokens = split_tokens(open_tokens(cfg.data), cfg.val_fraction)
     T, B = cfg.seq_len, cfg.global_batch
     train_data = TokenSampler(train_tokens, T, seed=cfg.seed)
@@ -162,95 +248,46 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
     model = GPT(gpt_cfg)
     device = torch.device("cpu")
-    if cfg.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("config key 'device' = 'cuda': no CUDA device visible to this rank")
+    if cfg.device == "cuda":  # visible on every rank: checked with the config
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         model.to(device)
     # Biases and norm weights get no weight decay (the usual GPT recipe).
     groups = decay_groups(model, cfg.zero.optimizer.weight_decay)
-    engine = zerompi.initialize(model, cfg.zero, param_groups=groups)
-    R, W, G = engine.rank, engine.world, engine.gradient_accumulation_steps
-    n_params = model.num_params()
+    engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)
+    G = engine.gradient_accumulation_steps
     # Training FLOPs per token as GPT.flops_per_token, at the sequence length actually used.
     flops_per_token = 6 * model.num_params(non_embedding=True) + 12 * gpt_cfg.n_layer * gpt_cfg.n_embd * T
     peak = cfg.peak_flops or threads * 100e9
-    # "mfu~" marks an estimate against a guessed CPU peak rather than a known one.
-    mfu_label = "mfu" if cfg.peak_flops else "mfu~"
-    peak_note = "" if cfg.peak_flops else \
-        f"~ against an assumed CPU peak of {peak / 1e9:.0f} GFLOP/s per rank (set peak_flops)"
+    mfu_label = "mfu" if cfg.peak_flops else "mfu~"  # "~": against a guessed CPU peak
 
     # ---------------------------------------------------------------- resume
     run_dir = Path(cfg.run_dir)
-    ckpt_dir = run_dir / "checkpoints"
-    metrics_path = run_dir / "metrics.jsonl"
-    start_step = 0
-    if cfg.resume and ckpt_dir.is_dir():
-        client = engine.load_checkpoint(ckpt_dir)  # None when the folder holds none; raises if corrupt
-        if client is not None:
-            start_step = int(client["step"])
-            saved = client.get("data", {})
-            now = {"spec": cfg.data, "seed": cfg.seed, "global_batch": B, "block_size": T}
-            changed = [k for k in now if k in saved and saved[k] != now[k]]
-            if changed and rank == 0:
-                print(f"warning: resuming with different {', '.join(changed)} than the checkpoint: "
-                      "the data order will not match an uninterrupted run", file=sys.stderr)
-    if rank == 0:
+    ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    # sync: collective; None when the folder holds no checkpoint, raises if it is corrupt.
+    client = engine.load_checkpoint(ckpt_dir) if cfg.resume and ckpt_dir.is_dir() else None
+    start_step = int(client["step"]) if client else 0
+    saved = (client or {}).get("data", {})
+    changed = [k for k, v in _data_state(cfg).items() if k in saved and saved[k] != v]
+    if changed and dims.rank == 0:
+        print(f"warning: resuming with different {', '.join(changed)} than the checkpoint: "
+              "the data order will not match an uninterrupted run", file=sys.stderr)
+    if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(train_config.to_dict(cfg), indent=1) + "\n")
+        atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step)
-        print(f"zerompi.train: {n_params / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), {W} ranks x "
-              f"{threads} threads, ZeRO stage {cfg.zero.stage} {cfg.zero.precision}, "
-              f"{B} seqs x {T} tokens per step ({G} micro-steps), "
+        print(f"zerompi.train: {model.num_params() / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
+              f"{dims.world.size} ranks x {threads} threads, ZeRO stage {cfg.zero.stage} "
+              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
               f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens", flush=True)
         print(f"zerompi.train: run_dir {run_dir}; "
               + (f"resumed at step {start_step}" if start_step else "starting at step 0")
-              + (f"; MFU{peak_note}" if peak_note else ""), flush=True)
-    world.Barrier()  # run_dir exists before anyone writes to it
-    metrics = open(metrics_path, "a", buffering=1) if rank == 0 else None
-
-    def save(step: int) -> None:
-        # The sampler is a pure function of (seed, step), so the step *is* the data
-        # position; keep_last rotates old checkpoints once the new one is in place.
-        engine.save_checkpoint(ckpt_dir, tag=f"step_{step:07d}", keep_last=cfg.keep_last or None,
-                               client_state={
-                                   "step": step, "tokens": step * B * T,
-                                   "data": {"spec": cfg.data, "seed": cfg.seed, "global_batch": B,
-                                            "block_size": T},
-                                   "config": train_config.to_dict(cfg)})
-
-    def rows_of(micro: int) -> int:
-        return TokenSampler.rows(micro, R, W, B, G)
-
-    def evaluate() -> float:
-        """Mean validation loss over eval_batches x global_batch sequences, all ranks."""
-        n_batches = min(cfg.eval_batches, val_data.num_eval_batches(B))
-        engine.eval()
-        loss_sum, rows_sum = 0.0, 0
-        with torch.no_grad():
-            for b in range(n_batches):
-                for m in range(G):
-                    rows = rows_of(m)
-                    # A rank with no rows still runs a forward (stage 3 gathers parameters
-                    # in it), on one borrowed row that is weighted 0.
-                    x, y = val_data.eval_batch(b, R, W, B, m, G) if rows else val_data.eval_batch(b, 0, 1, 1)
-                    _, loss = engine(x.to(device), y.to(device))
-                    loss_sum += loss.item() * rows
-                    rows_sum += rows
-        engine.train()
-        # Ranks hold different numbers of rows: sum row-weighted losses, then divide by rows.
-        total = np.array([loss_sum, float(rows_sum)])
-        world.Allreduce(runtime.mpi().IN_PLACE, total, op=runtime.mpi().SUM)
-        return float(total[0] / total[1])
+              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
+                 "GFLOP/s per rank (set peak_flops)"), flush=True)
+    dims.world.barrier()  # sync: run_dir exists before anyone writes to it
+    progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
 
     # ---------------------------------------------------------------- the loop
-    bar = None
-    show = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
-    if rank == 0 and show == "bar":
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
     engine.train()
     t_start = time.perf_counter()
     for step in range(start_step, cfg.max_steps):
@@ -260,76 +297,50 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         loss_sum = 0.0  # sum over this rank's sequences of their mean token loss
         for m in range(G):
-            rows = rows_of(m)
-            # Per-(step, micro, rank) seed: dropout is reproducible and needs no RNG state
-            # in checkpoints, so a resumed run repeats an uninterrupted one exactly.
-            torch.manual_seed(int(np.random.SeedSequence([cfg.zero.seed, step, m, R]).generate_state(1)[0]))
-            x, y = train_data.batch(step, m, R, W, B, G) if rows else train_data.batch(step, 0, 0, 1, 1)
+            rows = TokenSampler.rows(m, dims.dp_rank, dims.dp_size, B, G)
+            # Per-(step, micro, dp rank) seed: dropout is reproducible and needs no RNG
+            # state in checkpoints, so a resumed run repeats an uninterrupted one exactly.
+            torch.manual_seed(int(np.random.SeedSequence([cfg.zero.seed, step, m, dims.dp_rank])
+                                  .generate_state(1)[0]))
+            x, y = train_data.batch(step, m, dims.dp_rank, dims.dp_size, B, G) if rows \
+                else train_data.batch(step, 0, 0, 1, 1)
             _, loss = engine(x.to(device), y.to(device))
-            # Exact global mean with uneven rows: the engine sums the ranks' and micro-steps'
-            # gradients and divides by W*G, giving (1/(W*G)) sum_{m,r} grad(L_mr). We want
-            # grad of (1/B) sum over all B rows = (1/B) sum_{m,r} rows_mr * grad(mean_mr), so
-            # L_mr = mean_mr * rows_mr * W * G / B (= rows * W / rows_in_micro_batch when G
-            # divides B). A rank with 0 rows contributes 0 but still joins the reduction.
-            engine.backward(loss * (rows * W * G / B))
+            # Exact global mean with uneven rows: the engine averages the D*G (dp rank,
+            # micro-step) gradients, so a mean loss scaled by rows*D*G/B gives the gradient of
+            # the mean over all B rows. A rank with 0 rows adds 0 but joins the reduction.
+            # sync: backward() returns once its gradients are reduced over dims.dp (every
+            # micro-step at stages 2-3, the last at 0-1); at the boundary step() all-reduces
+            # the gradient norm and, at stages 1-2, all-gathers the updated parameters.
+            engine.backward(loss * (rows * dims.dp_size * G / B))
             updated = engine.step()
-            loss_sum += loss.item() * rows
-        # One SUM for the loss, one MAX for the stop flag and memory: every rank sees the
-        # same values, so all of them checkpoint and exit together.
-        MPI = runtime.mpi()
-        total = np.array([loss_sum])
-        world.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-        flags = np.array([float(_stop_signal), float(_rss_bytes())])
-        world.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
-        stop, rss = flags[0] > 0, flags[1]
+            loss_sum += loss.item() * rows  # sync: host waits for the device (GPU)
+        # sync: two collectives once per step. SUM over dp gives the loss over all B rows;
+        # MAX over the world makes one rank's stop signal everyone's, so all checkpoint
+        # and exit together.
+        (total,) = dims.dp.allreduce_scalars([loss_sum])
+        sig, rss = dims.world.allreduce_scalars([float(_stop_signal), float(_rss_bytes())], op="max")
         dt = time.perf_counter() - t0
         done = step + 1  # steps completed; metrics and checkpoints are keyed by it
         last = done == cfg.max_steps
 
-        record = {"step": done, "loss": float(total[0] / B), "lr": lr, "grad_norm": engine.last_grad_norm,
-                  "loss_scale": engine.loss_scale, "updated": bool(updated), "tokens": done * B * T,
-                  "tokens_per_s": B * T / dt, "step_time": dt,
-                  "mfu": flops_per_token * B * T / dt / (peak * W), "rss": int(rss),
-                  "model_state_bytes": engine.memory_report()["model_states"],
+        record = {"step": done, "loss": total / B, "lr": lr,
+                  "grad_norm": engine.last_grad_norm, "loss_scale": engine.loss_scale,
+                  "updated": bool(updated), "tokens": done * B * T, "tokens_per_s": B * T / dt,
+                  "step_time": dt, "mfu": flops_per_token * B * T / dt / (peak * dims.world.size),
+                  "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
                   "time": time.perf_counter() - t_start}
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or last):
-            record["val_loss"] = evaluate()
+            record["val_loss"] = evaluate(engine, val_data, cfg, dims, device)
+        progress.update(record)
 
-        if rank == 0:
-            metrics.write(json.dumps(record) + "\n")
-            if bar is not None:
-                bar.update(1)
-                if done % cfg.log_interval == 0 or last or "val_loss" in record:
-                    bar.set_postfix_str(
-                        f"loss {record['loss']:.4f}"
-                        + (f" val {record['val_loss']:.4f}" if "val_loss" in record else "")
-                        + f" {record['tokens_per_s']:,.0f} tok/s {mfu_label} {100 * record['mfu']:.1f}%"
-                        + f" rss {_fmt_bytes(rss)} states {_fmt_bytes(record['model_state_bytes'])}")
-            elif show == "lines" and (done % cfg.log_interval == 0 or last or "val_loss" in record):
-                print(f"step {done}/{cfg.max_steps} loss {record['loss']:.4f}"
-                      + (f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
-                      + f" lr {lr:.2e} {record['tokens_per_s']:,.0f} tok/s"
-                      + f" {mfu_label} {100 * record['mfu']:.2f}%"
-                      + f" rss {_fmt_bytes(rss)} states {_fmt_bytes(record['model_state_bytes'])}", flush=True)
-
-        if stop or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
-            save(done)
-        if stop and not last:
-            if bar is not None:
-                bar.close()
-            if rank == 0:
-                metrics.close()
-                name = signal.Signals(int(flags[0])).name
-                print(f"zerompi.train: {name} received: "
-                      + f"checkpoint of step {done} saved in {ckpt_dir}"
-                      + f"; exiting with {EXIT_STOPPED} (requeue me)", flush=True)
+        if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
+            save(engine, ckpt_dir, cfg, done)  # sync: collective, every rank writes its shard
+        if sig and not last:
+            progress.close(f"{signal.Signals(int(sig)).name} received: checkpoint of step {done} "
+                           f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
             return EXIT_STOPPED
 
-    if bar is not None:
-        bar.close()
-    if rank == 0:
-        metrics.close()
-        print(f"zerompi.train: done, {cfg.max_steps} steps in {time.perf_counter() - t_start:.1f}s", flush=True)
+    progress.close(f"done, {cfg.max_steps} steps in {time.perf_counter() - t_start:.1f}s")
     return EXIT_OK
 
 
