@@ -87,14 +87,15 @@ def resolve_link(link=None, alpha: float | None = None, beta: float | None = Non
 
 
 def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, bucket) -> str:
-    b = "auto (comm_model.auto_bucket_elements)" if bucket == "auto" else f"{bucket or zcfg.bucket_size:,}"
+    b = bucket or zcfg.bucket_size
+    b = "auto (comm_model.auto_bucket_elements)" if b == "auto" else f"{b:,}"
     return (f"{_precision_label(precision, gdt)}; bucket_size {b} elements, bucket_count "
             f"{zcfg.bucket_count}, alignment {zcfg.alignment}, reduce_dtype {zcfg.reduce_dtype}, GAS {gas}, tp {tp}")
 
 
-def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> int | None:
-    if bucket != "auto":
-        return bucket
+def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> int | str | None:
+    if bucket != "auto" or link is None:
+        return bucket  # None: the config's; "auto" without a link: the engine's own rule
     rbytes = 4 if zcfg.reduce_dtype == "fp32" else (4 if precision == "fp32" else 2)
     return comm_model.auto_bucket_elements(n, rbytes, link)
 
@@ -126,7 +127,7 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
                      bucket=_bucket_at(bucket, n, zcfg, precision, lk), micro_batch=micro_batch,
                      global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk)
             for n in dps for s in stages]
-    note = "" if tp == 1 else (f" Tensor parallelism is not in the engine yet (issue 15): with tp = {tp} "
+    note = "" if tp == 1 else (f"\nTensor parallelism is not in the engine yet (issue 15): with tp = {tp} "
                                f"the layout is a flat vector of Ψ/tp = {spec.psi // tp:,} elements.")
     return {"mode": "size", "model": spec.describe() + note, "psi": spec.psi,
             "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
@@ -151,7 +152,8 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
     for r in check_ranks or ():
         if not all(0 <= r < n for n in dps):
             raise ValueError(f"--check-ranks: rank {r} is outside some N of --dp {list(dps)}")
-    lk = resolve_link(link, alpha, beta) if bucket == "auto" else None
+    # a link only when named: otherwise "auto" is the engine's own rule
+    lk = resolve_link(link, alpha, beta) if bucket == "auto" and (link or alpha or beta) else None
     runner = DryRun(spec, zcfg)
     runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None,
                      _bucket_at(bucket, n, zcfg, precision, lk))

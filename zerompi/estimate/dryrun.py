@@ -25,7 +25,7 @@ import torch
 from ..config import ZeroConfig
 from ..device import Placement
 from ..precision import DTYPES
-from ..zero.engine import PARTS
+from ..zero.engine import PARTS, bucket_elements
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
 from ..zero.state import ShardState
@@ -52,6 +52,12 @@ class Built:
             self._chunks[rank] = self.layout.chunks(rank)
         return self._chunks[rank]
 
+    def all_chunks(self) -> list[Chunk]:
+        """Stage 0's `own`: every block, shard index = flat index (as ZeroEngine builds it)."""
+        if "all" not in self._chunks:
+            self._chunks["all"] = [Chunk(k, s, e, s) for k, (s, e) in enumerate(self.layout.blocks)]
+        return self._chunks["all"]
+
 
 class DryRun:
     """Builds (and caches) layouts of one model for any N and stage."""
@@ -74,7 +80,8 @@ class DryRun:
         if n < 1:
             raise ValueError(f"N must be >= 1, got {n}")
         store = PARTS[stage].store
-        bucket = self.zcfg.bucket_size if bucket is None else bucket
+        # resolved exactly as the engine resolves it ("auto" grows with N)
+        bucket = bucket_elements(self.zcfg.bucket_size if bucket is None else bucket, n)
         key = (n, store, bucket)
         if key not in self._cache:
             t = time.perf_counter()
@@ -106,9 +113,7 @@ def rank_state(built: Built, stage: int, rank: int, precision: str, grad_accum_d
     """memory_report() of a ShardState for `rank`, built exactly as the engine builds it,
     on the meta placement (no memory)."""
     parts, layout = PARTS[stage], built.layout
-    # as ZeroEngine.__init__ builds `own`
-    own = ([Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)] if parts.owns_all
-           else built.chunks(rank))
+    own = built.all_chunks() if parts.owns_all else built.chunks(rank)  # as ZeroEngine.__init__
     dtype = DTYPES[precision]
     gdt = torch.float32 if grad_accum_dtype == "fp32" else dtype
     st = ShardState(layout, own, Placement.of("meta"), dtype, gdt,
@@ -167,13 +172,13 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
     sizes = [e - s for s, e in layout.blocks]
     all_blocks = Counter(sizes)
     reduce_times = gas if PARTS[stage].reduction == "scatter_per_bucket" else 1
-    rows: list[tuple[str, int, int, int]] = []   # (op, elements, element bytes, count)
+    rows: list[tuple[str, int, int, int, bool]] = []   # (op, elements, element bytes, count, scalars)
     if stage == 0:
-        rows += [("all_reduce", b, rbytes, c) for b, c in all_blocks.items()]
+        rows += [("all_reduce", b, rbytes, c, False) for b, c in all_blocks.items()]
     else:
-        rows += [("reduce_scatter", b, rbytes, c * reduce_times) for b, c in all_blocks.items()]
+        rows += [("reduce_scatter", b, rbytes, c * reduce_times, False) for b, c in all_blocks.items()]
     if stage in (1, 2):
-        rows += [("all_gather", b, pbytes, c) for b, c in all_blocks.items()]
+        rows += [("all_gather", b, pbytes, c, False) for b, c in all_blocks.items()]
     if stage == 3:
         gathers: Counter = Counter()
         for u, blocks in enumerate(layout.unit_blocks):
@@ -183,13 +188,12 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
                 per_step = gas * (max(built.unit_users[u], 1) + 1)
             for k in blocks:
                 gathers[sizes[k]] += per_step
-        rows += [("all_gather", b, pbytes, c) for b, c in gathers.items()]
-    scalars = 1 + len(built.numels)    # squared norm + one 'used' flag per parameter, float64
-    rows.append(("all_reduce", scalars, 8, 1))
+        rows += [("all_gather", b, pbytes, c, False) for b, c in gathers.items()]
+    # the step's small all-reduce: squared norm + one 'used' flag per parameter, float64
+    rows.append(("all_reduce", 1 + len(built.numels), 8, 1, True))
     out = []
-    for op, elems, eb, count in sorted(rows, key=lambda r: (r[0], -r[1])):
+    for op, elems, eb, count, scalars in sorted(rows, key=lambda r: (r[0], -r[1])):
         counted = 2 * elems if op == "all_reduce" else elems
-        scalars = eb == 8   # the step's small all-reduce, not a bucket
         out.append({"op": op, "elements": elems, "chunk_elements": elems if scalars else elems // n,
                     "element_bytes": eb, "nbytes": elems * eb, "count": count,
                     "counted_elements": counted * count, "bytes_per_step": counted * eb * count,
@@ -260,7 +264,8 @@ def dry_run(runner: DryRun, n: int, stage: int, precision: str = "bf16", grad_ac
     rows = collectives(built, stage, runner.zcfg, precision, gas)
     return {
         "N": n, "stage": stage, "precision": precision, "grad_accum_dtype": grad_accum_dtype,
-        "bucket_size": runner.zcfg.bucket_size if bucket is None else bucket, "alignment": runner.zcfg.alignment, "gas": gas,
+        "bucket_size": runner.zcfg.bucket_size if bucket is None else bucket,
+        "alignment": runner.zcfg.alignment, "gas": gas,
         "params": psi, "padded": T, "padding": T - psi, "blocks": len(layout.blocks),
         "units": len(layout.unit_spans), "block": layout.block,
         "owned_per_rank": T if PARTS[stage].owns_all else layout.shard_size,

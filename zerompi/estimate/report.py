@@ -110,7 +110,8 @@ def render_sizing(res: dict) -> str:
     for d in runs:
         ms = d["model_states"]
         row = [d["N"], d["stage"], g(ms["params"]), g(ms["grads"]), g(ms["master"] + ms["optimizer"]),
-               g(ms["model_states"]), g(d["buffers"]), g(d["gathered"] + d["persistent"] + d["transient_grads"])]
+               g(ms["model_states"]), g(d["buffers"]),
+               g(d["gathered"] + d["persistent"] + d["transient_grads"]) if d["work_estimated"] else "n/a"]
         if has_act:
             a = d["activations"]
             row += [d["micro_batch"], g(a["none"]["device"]), g(a["checkpoint"]["device"]),
@@ -128,16 +129,21 @@ def render_sizing(res: dict) -> str:
                        "activations without checkpointing, with checkpointing, + Pa, + offload (0: does not fit).")
         if any(d["tp"] == 1 for d in runs):
             out.append("At tp = 1, Pa partitions nothing: ckpt+Pa = ckpt.")
-    elif mem is not None:
+    if not runs[0]["work_estimated"]:
+        out.append("work n/a: a bare parameter count (or tp > 1) has no module structure to estimate it from.")
+    if mem is not None and not has_act:
         for d in runs:
             fits = "fit" if d["fit"]["model_states_fit"] else "do NOT fit"
             out.append(f"N = {d['N']}, stage {d['stage']}: states + buffers + work {fits} in {gib(mem, unit)} {uname} "
                        "(no shape given: activations unknown)")
     out.append("")
     out.append(render_comm(runs))
-    if len(runs) == 1:
-        out.append("")
-        out.append(render_collectives(runs[0]))
+    if len(runs) <= 2:
+        for d in runs:
+            out.append("")
+            out.append(render_collectives(d))
+    else:
+        out.append("(Per-collective rows: give one N and stage, or --json.)")
     return "\n".join(out)
 
 

@@ -54,12 +54,16 @@ def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: 
     T = layout.total
     states = model_states(T, n, stage, precision, grad_accum_dtype)
     buffers = comm_buffer_bytes(layout, zcfg.bucket_count, rbytes)
-    work = working_bytes(built, stage, zcfg, pbytes)
+    # A bare count is one flat parameter: no modules, so no stage-3 units or gradients
+    # of its own size to hold; the working memory is then not estimated (0).
+    structured = runner.spec.gpt is not None
+    work = working_bytes(built, stage, zcfg, pbytes) if structured else \
+        {"gathered": 0, "persistent": 0, "transient_grads": 0}
     fixed = states["model_states"] + buffers + sum(work.values())
     out = {"N": n, "stage": stage, "precision": precision, "grad_accum_dtype": grad_accum_dtype,
            "gas": gas, "tp": tp, "params": sum(built.numels), "padded": T, "block": layout.block,
            "blocks": len(layout.blocks), "model_states": states, "buffers": buffers, **work,
-           "fixed": fixed}
+           "fixed": fixed, "work_estimated": structured}
     if micro_batch is None:
         micro_batch = micro_batch_for(global_batch, n, gas)
     act1 = activation_bytes(spec, 1, precision, tp)
