@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -140,10 +141,13 @@ class ZeroConfig:
     """Micro-batches per optimizer step (engine.step() updates on every n-th call)."""
     gradient_clipping: float = 0.0
     """Max global L2 norm of the gradient; 0 disables clipping."""
-    bucket_size: int = 1 << 22
-    """Elements per communication bucket (also the partition block, see docs). Each of the
-    `bucket_count` slots holds ~2.5 buckets (send, alltoall receive, own chunk) in the
-    reduce dtype: 2^22 elements = 16 MiB per bucket (DDP uses 25 MB buckets)."""
+    bucket_size: int | str = "auto"
+    """Elements per communication bucket (also the partition block, see docs), or "auto":
+    2^22 at small N, growing with N so every rank's chunk of a collective stays large
+    enough that latency is a small part of its time (zerompi/estimate/comm_model.py
+    auto_bucket_elements; docs/scaling.md). Each of the `bucket_count` slots holds ~2.5
+    buckets (send, alltoall receive, own chunk) in the reduce dtype: 2^22 elements =
+    16 MiB per bucket (DDP uses 25 MB buckets)."""
     bucket_count: int = 2
     """Buckets in flight at once: one filling while the others reduce."""
     reduce_dtype: str = "fp32"
@@ -171,8 +175,8 @@ class ZeroConfig:
             _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
         if not self.gradient_clipping >= 0:
             _fail("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 = off)")
-        if self.bucket_size < 1:
-            _fail("bucket_size", self.bucket_size, "must be >= 1")
+        if self.bucket_size != "auto" and not (isinstance(self.bucket_size, int) and self.bucket_size >= 1):
+            _fail("bucket_size", self.bucket_size, 'must be "auto" or an integer >= 1')
         if self.bucket_count < 1:
             _fail("bucket_count", self.bucket_count, "must be >= 1")
         if self.reduce_dtype not in ("fp32", "param"):
@@ -192,6 +196,13 @@ class ZeroConfig:
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert a JSON/TOML/CLI value to the annotated type or fail naming the key."""
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. int | str: the first that fits
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        _fail(key, value, "expected " + " or ".join(a.__name__ for a in typing.get_args(tp)))
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

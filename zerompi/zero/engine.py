@@ -53,6 +53,16 @@ PARTS = {
 }
 
 
+def bucket_elements(bucket_size: int | str, world: int) -> int:
+    """The partition block / bucket in elements: as configured, or the "auto" rule that
+    grows it with the data-parallel size (zerompi/estimate/comm_model.py)."""
+    if bucket_size != "auto":
+        return int(bucket_size)
+    from ..estimate.comm_model import auto_bucket_elements
+
+    return auto_bucket_elements(world, elem_bytes=4)  # buckets reduce in fp32 by default
+
+
 def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters(remove_duplicate=True))
 
@@ -101,7 +111,8 @@ class ZeroEngine:
         runtime.check_same_everywhere(self.comm, config_mod.to_dict(cfg),
                                       [(n, tuple(p.shape)) for n, p in plan.order])
         self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world,
-                                          cfg.bucket_size, cfg.alignment, units=plan.unit_sizes)
+                                          bucket_elements(cfg.bucket_size, self.world),
+                                          cfg.alignment, units=plan.unit_sizes)
         own = ([Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)] if parts.owns_all
                else layout.chunks(self.rank))
         grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype

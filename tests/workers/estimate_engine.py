@@ -1,0 +1,49 @@
+"""One process, no mpiexec: the real engine's memory_report() and comm_stats() next to the
+estimator's dry run of the same model and config (tests/test_estimate.py)."""
+import json
+import sys
+
+import torch
+
+import zerompi
+from zerompi.estimate.activations import comm_buffer_bytes
+from zerompi.estimate.dryrun import DryRun, collectives, rank_state
+from zerompi.estimate.models import from_preset
+from zerompi.models.gpt import GPT
+
+torch.set_num_threads(1)
+spec = from_preset("tiny")
+out = []
+for stage in (0, 1, 2, 3):
+    for precision, gdt in (("fp32", "param"), ("bf16", "param"), ("bf16", "fp32")):
+        gas = 2
+        cfg = zerompi.load_config({"stage": stage, "precision": precision, "grad_accum_dtype": gdt,
+                                   "bucket_size": 4096, "gradient_accumulation_steps": gas})
+        torch.manual_seed(0)
+        eng = zerompi.initialize(GPT(spec.gpt), cfg)
+        x = torch.randint(0, spec.gpt.vocab_size, (2, 16))
+        for measured in (False, True):  # a warm-up step first (stage 3 records its order then)
+            eng.reset_comm_stats()
+            for _ in range(gas):
+                _, loss = eng(x, x)
+                eng.backward(loss)
+                eng.step()
+        rep = eng.memory_report()
+        comm = {op: [v["calls"], v["elements"], v["bytes"]] for op, v in eng.comm_stats().items()}
+        runner = DryRun(spec, cfg)
+        built = runner.build(1, stage)
+        est = rank_state(built, stage, 0, precision, gdt)
+        est_comm = {}
+        for r in collectives(built, stage, cfg, precision, gas):
+            c = est_comm.setdefault(r["op"], [0, 0, 0])
+            c[0] += r["count"]
+            c[1] += r["counted_elements"]
+            c[2] += r["bytes_per_step"]
+        out.append({"stage": stage, "precision": precision, "gdt": gdt, "engine": rep, "estimate": est,
+                    "engine_buffers": rep["buffers"],
+                    "estimate_buffers": comm_buffer_bytes(built.layout, cfg.bucket_count,
+                                                          4 if cfg.reduce_dtype == "fp32" else 2),
+                    "engine_padded": rep["padded_numel"], "estimate_padded": built.layout.total,
+                    "engine_comm": comm, "estimate_comm": est_comm})
+        del eng
+json.dump(out, sys.stdout)

@@ -1,0 +1,1 @@
+"""Planning estimates: memory per rank, communication time, bucket sizes (issue 17)."""

@@ -1,0 +1,6 @@
+"""python -m zerompi.estimate (see cli.py)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,180 @@
+"""The estimator as functions (the CLI calls these; each returns plain, JSON-ready data).
+
+    from zerompi.estimate import api
+    api.table1()                                         # the paper's Table 1
+    api.formulas(7.5e9, dps=[1, 64, 1024])               # model states per rank, every stage
+    api.size("gpt-7.5b", dps=[1024], stages=[3], mem_per_rank=80 * 2**30, link="hdr-ib")
+    api.dry_run("gpt-1t", dps=[4096])                    # the engine's real layout at N ranks
+
+`model` is a preset name (models.ALL_SHAPES), a zerompi.train_config TrainConfig, a
+TOML/JSON path of one, or a models.ModelSpec.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Sequence
+
+from .. import train_config
+from ..config import ZeroConfig
+from . import comm_model, memory, models
+from .dryrun import DryRun, dry_run as _dry_run
+from .sizing import size_run
+
+STAGES = (0, 1, 2, 3)
+
+
+def table1() -> list[dict]:
+    return memory.table1()
+
+
+def _precision_label(precision: str, gdt: str) -> str:
+    if precision == "fp32":
+        return "fp32 training with Adam (p = g = 4, K = 8)"
+    g = "fp32 gradients (grad_accum_dtype = fp32: g = 4)" if gdt == "fp32" else "gradients in the param dtype"
+    return f"{precision} mixed precision, fp32 master + Adam (K = 12), {g}"
+
+
+def _check(dps: Sequence[int], stages: Sequence[int], tp: int, gas: int = 1) -> None:
+    if not dps:
+        raise ValueError("--dp: give at least one N")
+    for n in dps:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"--dp: every N must be an integer >= 1 (got {n!r})")
+    for s in stages:
+        if s not in STAGES:
+            raise ValueError(f"--stage: {s!r} is not a ZeRO stage (0, 1, 2 or 3)")
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1 (got {tp})")
+    if gas < 1:
+        raise ValueError(f"--gas must be >= 1 (got {gas})")
+
+
+def formulas(psi: float, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] = STAGES,
+             precision: str = "bf16", grad_accum_dtype: str = "param", tp: int = 1) -> dict:
+    """Per-rank model-state bytes from the paper's formulas for every N and stage."""
+    _check(dps, stages, tp)
+    if not psi >= 1:
+        raise ValueError(f"--params must be >= 1 (got {psi})")
+    rows = memory.model_state_rows(int(round(psi)), dps, stages, precision, grad_accum_dtype, tp)
+    return {"mode": "formulas", "psi": int(round(psi)), "tp": tp, "precision": precision,
+            "grad_accum_dtype": grad_accum_dtype, "precision_label": _precision_label(precision, grad_accum_dtype),
+            "rows": rows}
+
+
+def resolve_model(model, seq_len: int = 0) -> tuple[models.ModelSpec, ZeroConfig | None, int | None]:
+    """(spec, the config's ZeroConfig or None, the config's global batch or None)."""
+    if isinstance(model, models.ModelSpec):
+        return (model if not seq_len else models.ModelSpec(model.name, model.psi, model.gpt, seq_len)), None, None
+    if isinstance(model, train_config.TrainConfig) or (isinstance(model, str) and
+                                                       model.endswith((".toml", ".json"))):
+        tc = model if isinstance(model, train_config.TrainConfig) else train_config.load(model)
+        spec = models.from_train_config(tc)
+        if seq_len:
+            spec = models.ModelSpec(spec.name, spec.psi, spec.gpt, seq_len)
+        return spec, tc.zero, tc.global_batch
+    spec = models.from_preset(str(model))
+    return (models.ModelSpec(spec.name, spec.psi, spec.gpt, seq_len) if seq_len else spec), None, None
+
+
+def resolve_link(link=None, alpha: float | None = None, beta: float | None = None):
+    if isinstance(link, comm_model.Link):
+        return link
+    if link is None and alpha is None and beta is None:
+        link = comm_model.DEFAULT_AUTO_LINK
+    return comm_model.resolve_link(link, alpha, beta)
+
+
+def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, bucket) -> str:
+    b = bucket or zcfg.bucket_size
+    b = "auto (comm_model.auto_bucket_elements)" if b == "auto" else f"{b:,}"
+    return (f"{_precision_label(precision, gdt)}; bucket_size {b} elements, bucket_count "
+            f"{zcfg.bucket_count}, alignment {zcfg.alignment}, reduce_dtype {zcfg.reduce_dtype}, GAS {gas}, tp {tp}")
+
+
+def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> int | str | None:
+    if bucket != "auto" or link is None:
+        return bucket  # None: the config's; "auto" without a link: the engine's own rule
+    rbytes = 4 if zcfg.reduce_dtype == "fp32" else (4 if precision == "fp32" else 2)
+    return comm_model.auto_bucket_elements(n, rbytes, link)
+
+
+def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,
+         precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
+         tp: int = 1, bucket: "int | str | None" = None, micro_batch: int | None = None,
+         seq_len: int = 0, mem_per_rank: int | None = None, link=None, alpha=None, beta=None,
+         zero: ZeroConfig | None = None) -> dict:
+    """Every rank's memory (model states, buffers, working memory, activations), the
+    largest micro-batch per activation strategy, and the collectives of one step with
+    their predicted time, for a concrete model at each N and stage. Settings not given
+    come from the model's TrainConfig (zero.*: its stage), else ZeroConfig defaults in bf16
+    (every stage)."""
+    spec, zcfg_cfg, global_batch = resolve_model(model, seq_len)
+    zcfg = zero or zcfg_cfg or ZeroConfig(precision="bf16")
+    precision = precision or zcfg.precision
+    gdt = grad_accum_dtype or zcfg.grad_accum_dtype
+    gas = gas or zcfg.gradient_accumulation_steps
+    stages = list(stages) if stages else ([zcfg.stage] if zcfg_cfg or zero else list(STAGES))
+    _check(dps, stages, tp, gas)
+    memory.element_bytes(precision, gdt)
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1 (got {micro_batch})")
+    lk = resolve_link(link, alpha, beta)
+    layout_spec = spec if tp == 1 else models.from_params(spec.psi / tp)
+    runner = DryRun(layout_spec, zcfg)
+    runs = [size_run(spec, runner, n, stage=s, precision=precision, grad_accum_dtype=gdt, gas=gas, tp=tp,
+                     bucket=_bucket_at(bucket, n, zcfg, precision, lk), micro_batch=micro_batch,
+                     global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk)
+            for n in dps for s in stages]
+    note = "" if tp == 1 else (f"\nTensor parallelism is not in the engine yet (issue 15): with tp = {tp} "
+                               f"the layout is a flat vector of Ψ/tp = {spec.psi // tp:,} elements.")
+    return {"mode": "size", "model": spec.describe() + note, "psi": spec.psi,
+            "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
+            "mem_per_rank": mem_per_rank, "runs": runs}
+
+
+def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence[int] = STAGES, *,
+            precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
+            bucket: "int | str | None" = None, check_ranks: Sequence[int] | None = None, link=None,
+            alpha=None, beta=None, seq_len: int = 0, zero: ZeroConfig | None = None) -> dict:
+    """The engine's own partition layout at N virtual ranks (no MPI, no data, no
+    parameter memory): per-rank bytes against the formula, imbalance, collectives."""
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    spec, zcfg_cfg, _ = resolve_model(model, seq_len)
+    zcfg = zero or zcfg_cfg or ZeroConfig(precision="bf16")
+    precision = precision or zcfg.precision
+    gdt = grad_accum_dtype or zcfg.grad_accum_dtype
+    gas = gas or zcfg.gradient_accumulation_steps
+    _check(dps, stages, 1, gas)
+    memory.element_bytes(precision, gdt)
+    for r in check_ranks or ():
+        if not all(0 <= r < n for n in dps):
+            raise ValueError(f"--check-ranks: rank {r} is outside some N of --dp {list(dps)}")
+    # a link only when named: otherwise "auto" is the engine's own rule
+    lk = resolve_link(link, alpha, beta) if bucket == "auto" and (link or alpha or beta) else None
+    runner = DryRun(spec, zcfg)
+    runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None,
+                     _bucket_at(bucket, n, zcfg, precision, lk))
+            for n in dps for s in stages]
+    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    return {"mode": "dry_run", "model": spec.describe(), "psi": spec.psi,
+            "settings": _settings(zcfg, precision, gdt, gas, 1, bucket),
+            "meta_seconds": runner.meta_seconds, "rss_growth_mib": rss,
+            "seconds": time.perf_counter() - t0, "runs": runs}
+
+
+def parse_list(text: str, what: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16] (also '4096', '1e3'); the error names the option."""
+    out = []
+    for tok in str(text).split(","):
+        tok = tok.strip()
+        try:
+            v = float(tok)
+        except ValueError:
+            raise ValueError(f"{what}: {tok!r} is not a number (give a comma-separated list, e.g. 1,4,16)") from None
+        if not math.isfinite(v) or v != int(v):
+            raise ValueError(f"{what}: {tok!r} is not a whole number")
+        out.append(int(v))
+    return out

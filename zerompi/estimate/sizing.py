@@ -1,0 +1,94 @@
+"""Sizing one concrete run: everything a rank holds, the largest micro-batch that fits,
+and what one step moves through each collective and how long that takes.
+
+Exact terms (they equal what the engine allocates and counts): model states at the padded
+element count T of the engine's own layout (the dry run checks them against a
+ShardState), the communication buffers, and the collectives per step (counting as
+comm_stats() does). Estimates: activations (activations.py), stage-3 gathered units and
+transient gradients, and the communication time (the alpha-beta model of comm_model.py).
+"""
+from __future__ import annotations
+
+import math
+
+from ..precision import DTYPES
+from . import comm_model
+from .activations import STRATEGIES, activation_bytes, comm_buffer_bytes, largest_micro_batch, working_bytes
+from .dryrun import DryRun, collective_summary, collectives
+from .memory import model_states
+from .models import ModelSpec
+
+
+def comm_time(rows: list[dict], n: int, link) -> dict:
+    """Predicted time of one step's collectives, one after another (no overlap), per row
+    and in total, with the latency (alpha) share. The step's small scalar all-reduce is
+    modelled as a tree (recursive doubling, what MPI uses for a few bytes)."""
+    spec = [(r["op"], r["nbytes"], r["count"]) + (("tree",) if r["scalars"] else ()) for r in rows]
+    total = comm_model.step_comm_time(spec, n, link)
+    per_row = []
+    for r, s in zip(rows, spec):
+        sec, lat = comm_model.collective_time(s[0], s[1], n, link, s[3] if len(s) == 4 else "ring")
+        per_row.append({"seconds_each": sec, "latency_each": lat, "seconds": sec * r["count"]})
+    return {"link": {"name": link.name, "alpha": link.alpha, "beta": link.beta},
+            "seconds": total["seconds"], "latency_seconds": total["latency_seconds"],
+            "latency_fraction": total["latency_fraction"], "by_op": total["by_op"], "rows": per_row}
+
+
+def micro_batch_for(global_batch: int | None, n: int, gas: int) -> int | None:
+    """Sequences per rank and micro-step in train.py (the largest share when uneven)."""
+    return None if global_batch is None else max(1, math.ceil(global_batch / (n * gas)))
+
+
+def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: str = "bf16",
+             grad_accum_dtype: str = "param", gas: int = 1, tp: int = 1, bucket: int | None = None,
+             micro_batch: int | None = None, global_batch: int | None = None,
+             mem_per_rank: int | None = None, link=None) -> dict:
+    """One (model, N, stage) sized. `runner` lays out the parameters the engine partitions
+    (spec's GPT, or with tp > 1 a flat vector of Psi / tp: the engine has no tensor
+    parallelism yet, so no real tp layout exists); `spec` gives the activations."""
+    zcfg = runner.zcfg
+    built = runner.build(n, stage, bucket)
+    layout = built.layout
+    pbytes = DTYPES[precision].itemsize
+    rbytes = 4 if zcfg.reduce_dtype == "fp32" else pbytes
+    T = layout.total
+    states = model_states(T, n, stage, precision, grad_accum_dtype)
+    buffers = comm_buffer_bytes(layout, zcfg.bucket_count, rbytes)
+    # A bare count is one flat parameter: no modules, so no stage-3 units or gradients
+    # of its own size to hold; the working memory is then not estimated (0).
+    structured = runner.spec.gpt is not None
+    work = working_bytes(built, stage, zcfg, pbytes) if structured else \
+        {"gathered": 0, "persistent": 0, "transient_grads": 0}
+    fixed = states["model_states"] + buffers + sum(work.values())
+    out = {"N": n, "stage": stage, "precision": precision, "grad_accum_dtype": grad_accum_dtype,
+           "gas": gas, "tp": tp, "params": sum(built.numels), "padded": T, "block": layout.block,
+           "blocks": len(layout.blocks), "model_states": states, "buffers": buffers, **work,
+           "fixed": fixed, "work_estimated": structured}
+    if micro_batch is None:
+        micro_batch = micro_batch_for(global_batch, n, gas)
+    act1 = activation_bytes(spec, 1, precision, tp)
+    if act1 is not None:
+        mb = micro_batch or 1
+        act = activation_bytes(spec, mb, precision, tp)
+        out["micro_batch"] = mb
+        out["micro_batch_from"] = ("--micro-batch" if micro_batch and global_batch is None else
+                                   f"global_batch {global_batch} / (N x GAS)" if global_batch else "default 1")
+        out["seq"] = spec.seq
+        out["activations"] = {k: {**act[k], "total_device": fixed + act[k]["device"]} for k in STRATEGIES}
+        if mem_per_rank is not None:
+            fit = {}
+            for k in STRATEGIES:
+                b = largest_micro_batch(mem_per_rank, fixed, act1[k]["device"])
+                fit[k] = {"micro_batch": b,
+                          "gas_for_global_batch": (math.ceil(global_batch / (n * b)) if b and global_batch
+                                                   else None)}
+            out["fit"] = {"mem_per_rank": mem_per_rank, "by_strategy": fit,
+                          "model_states_fit": fixed <= mem_per_rank}
+    elif mem_per_rank is not None:
+        out["fit"] = {"mem_per_rank": mem_per_rank, "by_strategy": None, "model_states_fit": fixed <= mem_per_rank}
+    rows = collectives(built, stage, zcfg, precision, gas)
+    out["collectives"] = rows
+    out["summary"] = collective_summary(rows)
+    if link is not None:
+        out["comm_time"] = comm_time(rows, n, link)
+    return out
