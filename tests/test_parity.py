@@ -42,8 +42,10 @@ def test_fp32_parity_odd_model(n, tmp_path):
 
 
 def test_fp32_parity_gpt_param_groups(tmp_path):
-    """GPT with the usual two groups: weight decay 0.1 on matrices, none on biases/norms."""
-    r = run_worker(3, "parity", ["--model", "gpt", "--clip", "0.5", "--steps", "6", "--groups"], tmp_path)
+    """GPT with the usual two groups: weight decay 0.1 on matrices, none on biases/norms;
+    the engine's default bucket_size "auto"."""
+    r = run_worker(3, "parity", ["--model", "gpt", "--clip", "0.5", "--steps", "6", "--groups",
+                                 "--bucket", "auto"], tmp_path)
     _check_fp32(r)
 
 
