@@ -61,21 +61,30 @@ def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = No
                 pass
 
 
-def _run_mpi(n, argv, timeout, env, module, check) -> subprocess.CompletedProcess:
-    cmd = ["mpiexec", "-n", str(n), sys.executable] + (["-m", "mpi4py"] if module else []) + argv
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
+           stderr_apart: bool = False) -> subprocess.CompletedProcess:
+    """Run CMD in its own process group with the test environment; on timeout kill the
+    whole group and fail the test. stdout and stderr are merged unless stderr_apart."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT, text=True,
                          env=mpi_env(env), start_new_session=True)
     t0 = time.monotonic()
     try:
-        out, _ = p.communicate(timeout=timeout)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"timeout after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
-    res = subprocess.CompletedProcess(cmd, p.returncode, out, None)
+        out, err = p.communicate()
+        pytest.fail(f"timeout after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}\n{(err or '')[-2000:]}")
+    res = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     res.elapsed = time.monotonic() - t0
-    if check and p.returncode != 0:
-        pytest.fail(f"exit {p.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
+    return res
+
+
+def _run_mpi(n, argv, timeout, env, module, check) -> subprocess.CompletedProcess:
+    cmd = ["mpiexec", "-n", str(n), sys.executable] + (["-m", "mpi4py"] if module else []) + argv
+    res = launch(cmd, timeout, env)
+    if check and res.returncode != 0:
+        pytest.fail(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stdout[-6000:]}")
     return res
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mpirun import mpi_env, run_mpi
+from mpirun import launch, mpi_env, run_mpi
 
 TRAIN = ["-m", "zerompi.train"]
 # A few steps of the tiny model on a small private corpus (fast, no ~/.cache writes).
@@ -115,16 +115,9 @@ def test_bad_key_fails_fast_naming_it(tmp_path, corpus, args, needle):
 
 
 def train_cli(cmd, timeout=60):
-    """`mpiexec ...CMD` with stdout and stderr apart (run_mpi merges them): (rc, out, err)."""
-    p = subprocess.Popen(["mpiexec"] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=mpi_env(), start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"timeout after {timeout}s: {cmd}\n{out[-2000:]}\n{err[-2000:]}")
-    return p.returncode, out, err
+    """`mpiexec ...CMD` with stdout and stderr apart: (rc, out, err)."""
+    res = launch(["mpiexec"] + cmd, timeout, stderr_apart=True)
+    return res.returncode, res.stdout, res.stderr
 
 
 def assert_one_error_line(rc, out, err, needle):
