@@ -99,6 +99,11 @@ def test_dry_run_bytes_equal_the_formula(runners, name, n):
             bal = d["real_elements"]
             assert bal["padding_total"] == T - psi and bal["max"] <= T // n
             assert set(bal["checked_ranks"]) >= {"0", str(n - 1)}
+        # the fixed 4M bucket (the default before "auto"): other blocks, same bytes at its T
+        d = dry_run(runner, n, stage, "bf16", "param", bucket=1 << 22)
+        assert d["equal_formula"], (stage, d["memory_report"])
+        assert all(r["model_states"] == _expected(stage, "bf16", "param", d["padded"], n)
+                   for r in d["memory_report"].values())
 
 
 def test_padding_per_rank_equals_brute_force():
@@ -240,6 +245,12 @@ def test_cli_dry_run():
     assert res["runs"][1]["summary"]["largest_chunk_elements"] == (1 << 28) // 4096
     text = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--stage", "3")
     assert text.returncode == 0 and "recounted from layout.pieces" in text.stdout, text.stderr
+    # a fixed 4M bucket at N = 4096: 1,024 elements per rank, 608 in the last block, 16 for
+    # a stage-3 LayerNorm unit (8,192 elements padded to one 65,536-element block)
+    fixed = json.loads(cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--bucket-size", "4M",
+                           "--json").stdout)["runs"]
+    assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"]) for r in fixed] \
+        == [(608, 1024), (608, 1024), (608, 1024), (16, 1024)]
 
 
 def test_cli_config():

@@ -88,8 +88,8 @@ def resolve_link(link=None, alpha: float | None = None, beta: float | None = Non
 
 def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, bucket) -> str:
     b = bucket or zcfg.bucket_size
-    b = "auto (comm_model.auto_bucket_elements)" if b == "auto" else f"{b:,}"
-    return (f"{_precision_label(precision, gdt)}; bucket_size {b} elements, bucket_count "
+    b = "auto (grows with N: comm_model.auto_bucket_elements)" if b == "auto" else f"{b:,} elements"
+    return (f"{_precision_label(precision, gdt)}; bucket_size {b}, bucket_count "
             f"{zcfg.bucket_count}, alignment {zcfg.alignment}, reduce_dtype {zcfg.reduce_dtype}, GAS {gas}, tp {tp}")
 
 

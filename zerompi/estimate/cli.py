@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum-dtype", choices=("param", "fp32"), default=None)
     p.add_argument("--gas", type=int, default=None, help="gradient accumulation steps")
     p.add_argument("--bucket-size", default=None,
-                   help="elements per bucket (4M = 4,194,304, the default) or 'auto'")
+                   help="elements per bucket (e.g. 4M = 4,194,304) or 'auto' (the engine's default rule); "
+                   "default: the config's zero.bucket_size")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per rank and micro-step (default: global_batch / (N x GAS), else 1)")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the config's/model's)")
