@@ -222,3 +222,18 @@ def test_fit_constraints_and_errors():
         fit([("all_gather", 100, 2, 0.0), ("all_gather", 1000, 2, 1e-5)])
     with pytest.raises(ValueError, match="op"):
         fit([("gather", 100, 2, 1e-5), ("all_gather", 1000, 2, 1e-5)])
+
+
+def test_calibrated_preset_is_the_committed_fit():
+    """PRESETS["calibrated-vm"] is the N = 2 joint fit of benchmarks/results/comm_calibration.json
+    (rerunning the calibration means updating the preset, its comment and docs/scaling.md)."""
+    import json
+    from pathlib import Path
+
+    res = json.loads((Path(__file__).resolve().parent.parent / "benchmarks/results/comm_calibration.json")
+                     .read_text())
+    fitted = res["analysis"]["links"]["2"]
+    link = PRESETS["calibrated-vm"]
+    assert math.isclose(link.alpha, fitted["alpha"], rel_tol=0.01)
+    assert math.isclose(link.beta, fitted["beta"], rel_tol=0.01)
+    assert res["machine"]["node"] == "vm"

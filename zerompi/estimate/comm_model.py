@@ -71,19 +71,20 @@ class Link:
 #   rank, line rate, no protocol overhead); NVLink 4 on H100 SXM: 18 links x 25 GB/s =
 #   450 GB/s per direction per GPU; shared memory: a copy through a shared buffer at
 #   ~10 GB/s per rank (one core's memcpy bandwidth, order of magnitude).
-# - calibrated-vm: fitted by benchmarks/calibrate_comm.py on the machine "vm" (2-core AMD
-#   EPYC VM, 24 GiB, Debian 12, pip MPICH 5.0.2, mpi4py 4.1.2, torch 2.13.0+cpu), N = 2 (one
-#   rank per core; N = 4 oversubscribes the cores and has its own fit in
-#   benchmarks/results/comm_calibration.json), from the engine's ordered reduce-scatter and
-#   all-gather on fp32 buffers of 2^10 .. 2^24 elements.
+# - calibrated-vm: measured, not assumed: benchmarks/calibrate_comm.py on the machine "vm"
+#   (2-core AMD EPYC VM, 24 GiB, Debian 12, pip MPICH 5.0.2 over shared memory, mpi4py
+#   4.1.2, torch 2.13.0+cpu; 2026-11-23): one link fitted jointly to the engine's ordered
+#   reduce-scatter and all-gather on cache-cold fp32 buffers of 2^10 .. 2^24 elements at
+#   N = 2 (one rank per core), medians of 3 interleaved repeats. At N = 4 the 2 cores are
+#   oversubscribed and the fit is alpha = 11.4 us, beta = 0.362 ns/B (per-op links and the
+#   check against real stage-2 steps: benchmarks/results/comm_calibration.json,
+#   docs/scaling.md).
 PRESETS: dict[str, Link] = {
     "shm": Link("shm", alpha=1e-6, beta=1 / 10e9),
     "nvlink": Link("nvlink", alpha=2e-6, beta=1 / 450e9),
     "hdr-ib": Link("hdr-ib", alpha=5e-6, beta=1 / 25e9),
     "ndr-ib": Link("ndr-ib", alpha=5e-6, beta=1 / 50e9),
-    # Fitted by benchmarks/calibrate_comm.py on "vm" (2-core AMD EPYC, pip MPICH 5.0.2,
-    # shared memory, N = 4, ordered reduce-scatter + all-gather; 2026-11-23).
-    "calibrated-vm": Link("calibrated-vm", alpha=10.70e-6, beta=0.2816e-9),
+    "calibrated-vm": Link("calibrated-vm", alpha=2.61e-6, beta=0.1771e-9),  # "vm", N = 2, see above
 }
 DEFAULT_AUTO_LINK = "hdr-ib"
 
