@@ -81,16 +81,6 @@ class ShardState:
         grad = self.grad_shard[sh] if self.grad_shard is not None else self.flat_grad[flat_lo:flat_lo + n]
         return master, grad, self.exp_avg[sh], self.exp_avg_sq[sh], (work if self.mixed else None)
 
-    def master_shard(self) -> torch.Tensor:
-        """The fp32 values of the owned elements in shard order (stage 0: everything)."""
-        if self.mixed:
-            return self.master
-        if not self.replicated:
-            return self.shard_param
-        out = self.placement.empty(self.owned, torch.float32)
-        gather_chunks(self.flat_param, self.layout, self.own, out)
-        return out
-
     def grad_shard_fp32(self) -> torch.Tensor:
         if self.grad_shard is not None:
             return self.grad_shard.float()
