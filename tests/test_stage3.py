@@ -48,3 +48,13 @@ def test_partitioned_model_trains_under_a_cap_that_stops_stage0(tmp_path):
         assert bad.returncode != 0, args
         assert "can't allocate memory" in bad.stdout, bad.stdout[-3000:]
         assert bad.elapsed < 60
+
+
+def test_gathered_parameters_edit_reaches_master_in_stages_0_to_2(tmp_path):
+    """A bf16 engine keeps a separate fp32 master: rank 0's edit inside
+    GatheredParameters(modifier_rank=0) reaches every rank and the master, and the next
+    update moves on from it (lr 1e-3: within 0.01 of the edit) instead of undoing it."""
+    r = run_worker(3, "stage3_init", ["--mode", "replicated"], tmp_path)
+    for stage in ("stage0", "stage1", "stage2"):
+        assert r[stage] == {"working": True, "edited": True, "others_unchanged": True,
+                            "kept_after_step": True}, (stage, r[stage])

@@ -66,6 +66,32 @@ if a.mode == "init":
         res[kind] = {"full_bytes": full_bytes, "piece": piece, "psi": psi, "early_ok": early_ok,
                      "same_as_normal_build": same, "edited": edited,
                      "materialized": eng.materialized_params(), "loss": loss.item()}
+elif a.mode == "replicated":
+    # stages 0-2 (bf16: a separate fp32 master): rank 0's edit inside GatheredParameters
+    # must reach every rank's working copy and the master, and survive the next update
+    for stage in (0, 1, 2):
+        torch.manual_seed(5)
+        model = GPT(PRESETS["tiny"])
+        eng = zerompi.initialize(model, {"stage": stage, "precision": "bf16", "bucket_size": 256,
+                                         "optimizer": {"lr": 1e-3}})
+        tname, target = next((n, p) for n, p in model.named_parameters() if p.ndim == 2)
+        before = eng.full_state_dict(all_ranks=True)
+        with zerompi.GatheredParameters([target], engine=eng, modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    target[0].fill_(0.25)
+        after = eng.full_state_dict(all_ranks=True)
+        working = bool((target[0] == 0.25).all())
+        edited = bool((after[tname][0] == 0.25).all()) and torch.equal(after[tname][1:], before[tname][1:])
+        others = all(torch.equal(after[n], before[n]) for n in before if n != tname)
+        x, y = global_batch(0, 2 * N, 16, 256)
+        (sl,) = micro_slices(2 * N, 1, rank, N)
+        _, loss = eng(x[sl], y[sl])
+        eng.backward(loss)
+        eng.step()
+        stepped = eng.full_state_dict(all_ranks=True)[tname][0]
+        res[f"stage{stage}"] = {"working": working, "edited": edited, "others_unchanged": others,
+                                "kept_after_step": bool(((stepped - 0.25).abs() < 0.01).all())}
 elif a.mode == "diverge":
     class Branchy(nn.Module):
         def __init__(self):

@@ -110,7 +110,22 @@ class ReplicatedParams:
 
     @contextlib.contextmanager
     def gathered(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
-        yield  # already full on every rank
+        """Parameters are full on every rank already. On exit, `modifier_rank`'s values
+        are broadcast, and edits reach the fp32 master of the owned pieces (elements whose
+        working value no longer equals the master's), so the next update starts from them
+        instead of silently undoing them. Collective: every rank must enter."""
+        mine = {id(p) for p in self.params}
+        params = [p for p in params if id(p) in mine]
+        yield
+        if modifier_rank is not None:
+            for p in params:  # contiguous views of flat_param
+                self.comm.broadcast(p.data, root=modifier_rank)
+        st = self.state
+        if st.mixed:  # fp32 runs: flat_param is the master itself
+            for sp in self.layout.spans(st.own):
+                new, master = st.flat_param[sp.mine], st.master[sp.shard]
+                changed = new != master.to(new.dtype)
+                master[changed] = new[changed].float()
 
     def materialized(self) -> list[str]:
         return list(self.names)
