@@ -50,8 +50,8 @@ def test_memory_and_traffic(n, tmp_path):
             assert comm["all_reduce"]["elements"] == 2 * T + scalars, (tag, comm)
             assert "reduce_scatter" not in comm and "all_gather" not in comm, tag
         elif stage == 3:
-            # forward + backward all-gathers of every unit (+ tied units' second user in
-            # forward) and one reduce-scatter per micro-step: 3 Psi per step at GAS 1
+            # forward + backward all-gathers of every unit and one reduce-scatter per
+            # micro-step: 3 Psi per step at GAS 1
             assert comm["reduce_scatter"]["elements"] == gas * T, (tag, comm)
             assert comm["all_gather"]["elements"] == gas * (2 * T + c["tied_extra"]), (tag, comm)
             assert comm["all_reduce"]["elements"] == scalars, (tag, comm)

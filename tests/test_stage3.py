@@ -1,5 +1,5 @@
 """Stage 3 beyond parity (tests/test_parity.py): partitioned construction, temporary
-full access, divergent ranks, and training under a memory cap."""
+full access, and training under a memory cap."""
 from mpirun import WORKERS, run_mpi, run_worker
 
 
@@ -15,14 +15,6 @@ def test_init_builds_partitioned_and_identical(tmp_path):
         assert d["piece"] <= d["psi"] / 3 + 3 * 20, d  # 1/N plus per-parameter rounding
         assert d["early_ok"] and d["same_as_normal_build"] and d["edited"], d
         assert d["materialized"] == [], d
-
-
-def test_ranks_running_different_modules_fail_with_names_not_hang():
-    r = run_mpi(2, [str(WORKERS / "stage3_init.py"), "--out", "/dev/null", "--mode", "diverge"],
-                timeout=60, check=False)
-    assert r.returncode != 0
-    assert "ranks run different modules" in r.stdout and "rank 1: b" in r.stdout, r.stdout[-3000:]
-    assert r.elapsed < 15
 
 
 def _capped(tmp_path, *args):

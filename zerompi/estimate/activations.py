@@ -65,9 +65,9 @@ def comm_buffer_bytes(layout, bucket_count: int, reduce_bytes: int) -> int:
 def working_bytes(built, stage: int, zcfg, param_bytes: int) -> dict[str, int]:
     """Transient model-state memory besides the partitioned buffers (an estimate):
     - stage 3 'gathered': the unit in use plus `prefetch_modules` prefetched ones (the
-      largest units, within max_live_parameters), and every unit used by several modules
-      (a tied head is gathered in backward by its last user and released only when its
-      first user's gradient is done); 'persistent': the always-gathered small parameters.
+      largest units, within max_live_parameters), and every unit enclosing others (the
+      model's own unit: embeddings, head), held while what it encloses runs;
+      'persistent': the always-gathered small parameters.
     - 'transient_grads': autograd's .grad before its block is reduced (stages 2-3: the
       largest parameter plus bucket_count blocks; stages 0-1 accumulate into flat_grad)."""
     layout = built.layout
@@ -75,7 +75,7 @@ def working_bytes(built, stage: int, zcfg, param_bytes: int) -> dict[str, int]:
     if stage == 3:
         sizes = [(e - s) for s, e in layout.unit_spans]
         persistent = {u for u, p in enumerate(built.plan.unit_persistent) if p}
-        tied = {u for u, n in enumerate(built.unit_users) if n > 1} - persistent
+        tied = set(built.enclosing) - persistent
         held = sum(sizes[u] for u in tied)
         others = sorted((sizes[u] for u in range(len(sizes)) if u not in persistent | tied), reverse=True)
         live = others[0] if others else 0

@@ -42,7 +42,7 @@ class Built:
     plan: Plan
     numels: list[int]
     seconds: float                                 # plan + FlatLayout constructor
-    unit_users: list[int] = field(default_factory=list)   # modules using each unit (stage 3)
+    enclosing: list[int] = field(default_factory=list)    # stage-3 units enclosing others
     balance: dict | None = None                    # balance(): computed once per layout
     _chunks: dict = field(default_factory=dict)
 
@@ -90,22 +90,18 @@ class DryRun:
             layout = FlatLayout(numels, n, bucket, self.zcfg.alignment, units=plan.unit_sizes)
             built = Built(n, layout, plan, numels, time.perf_counter() - t)
             if plan.unit_sizes is not None:
-                built.unit_users = _unit_users(plan, layout)
+                built.enclosing = _enclosing(plan)
             self._cache[key] = built
         return self._cache[key]
 
 
-def _unit_users(plan: Plan, layout: FlatLayout) -> list[int]:
-    """How many modules use each stage-3 unit (a tied unit is gathered by each user)."""
-    unit_of = {}
-    for u, prange in enumerate(layout.unit_params):
-        for i in prange:
-            unit_of[id(plan.order[i][1])] = u
-    users = [0] * len(layout.unit_params)
-    for pids in plan.module_params.values():
-        for u in {unit_of[i] for i in pids if i in unit_of}:
-            users[u] += 1
-    return users
+def _enclosing(plan: Plan) -> list[int]:
+    """Stage-3 units that enclose another unit (the model's own unit, a layer around
+    its experts): gathered for the whole forward / backward of what they enclose."""
+    names = [n if n != "<root>" else "" for n in plan.unit_names]
+    inner = [n for n, p in zip(names, plan.unit_persistent) if not p]
+    return [u for u, n in enumerate(names) if not plan.unit_persistent[u]
+            and any(m != n and (n == "" or m.startswith(n + ".")) for m in inner)]
 
 
 # ------------------------------------------------------------------ per-rank memory
@@ -184,8 +180,8 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
         for u, blocks in enumerate(layout.unit_blocks):
             if built.plan.unit_persistent[u]:
                 per_step = 1                       # refreshed once after the update
-            else:                                  # forward (each user) + backward, per micro-step
-                per_step = gas * (max(built.unit_users[u], 1) + 1)
+            else:                                  # forward + backward, per micro-step
+                per_step = gas * 2
             for k in blocks:
                 gathers[sizes[k]] += per_step
         rows += [("all_gather", b, pbytes, c, False) for b, c in gathers.items()]

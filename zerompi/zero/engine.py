@@ -16,6 +16,7 @@ Memory per rank and one step as data: docs/architecture.md.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -128,6 +129,7 @@ class ZeroEngine:
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
         self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype)
+        self.reducer.poll = getattr(self.param_store, "serve", None)
         self.micro_steps = 0      # engine.step() calls
         self.global_steps = 0     # optimizer updates applied
         self.skipped_steps = 0    # fp16 overflow skips
@@ -154,9 +156,21 @@ class ZeroEngine:
             args, kwargs = cast_inputs(args, self.dtype), cast_inputs(kwargs, self.dtype)
         self.param_store.start_forward()
         # No try/finally: after an exception nothing may communicate (see backward).
-        out = self.module(*args, **kwargs)
+        with self._explained():
+            out = self.module(*args, **kwargs)
         self.param_store.finish_forward()
         return out
+
+    @contextlib.contextmanager
+    def _explained(self):
+        """Re-raise torch's bare errors about released stage-3 parameters as ours."""
+        try:
+            yield
+        except RuntimeError as e:
+            better = getattr(self.param_store, "explain", lambda e: None)(e)
+            if better is None:
+                raise
+            raise better from e
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -179,9 +193,11 @@ class ZeroEngine:
         # No try/finally here: a rank whose backward raised must not go on to issue or
         # wait on collectives its peers will never match; the error goes straight to the
         # abort hook, which ends the whole job.
-        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        with self._explained():
+            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        self.reducer.flush()
+        self.param_store.finish_backward()  # sync: stage 3 ends its gather rounds together
         self.reducer.end()  # sync: waits for the last buckets' reductions
-        self.param_store.finish_backward()
 
     def step(self) -> bool:
         """Count one micro-step; at the accumulation boundary update. True if updated."""

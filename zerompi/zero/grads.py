@@ -84,6 +84,7 @@ class GradReducer:
         self.recorded = False            # launch order learnt from a real backward yet?
         self.completed: list[int] = []   # blocks in the order they became complete
         self.blocks_left = [0] * len(self.params)
+        self.poll = None                 # called while waiting for a bucket (stage 3: serve)
         self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                         for i, p in enumerate(self.params)]
         self.attach_grads()
@@ -132,12 +133,18 @@ class GradReducer:
             self._launch_ready(final=False)
         return hook
 
+    def flush(self) -> None:
+        """Called after loss.backward(): launch the blocks not launched yet (a parameter
+        unused on this rank leaves its block incomplete; it is reduced with zeros)."""
+        if self.active:
+            self._launch_ready(final=True)
+
     def end(self) -> None:
-        """Called after loss.backward(): flush blocks not launched yet, wait for all."""
+        """After flush() on every rank: wait for all reductions."""
         if self.active:
             self._launch_ready(final=True)
             while self.inflight:
-                self._complete(self.inflight.popleft())
+                self._complete(self.inflight.popleft(), poll=False)
             if not self.recorded:
                 done = set(self.completed)
                 order = self.completed + [k for k in range(len(self.remaining)) if k not in done]
@@ -178,8 +185,13 @@ class GradReducer:
             h = self.comm.reduce_scatter(buf, slot.recv[:c], async_op=True, scratch=slot.scratch)
         self.inflight.append((h, k, slot))
 
-    def _complete(self, entry) -> None:
+    def _complete(self, entry, poll: bool = True) -> None:
         h, k, slot = entry
+        if poll and self.poll is not None:
+            # Stage 3: a peer may be waiting for this rank in a gather round before it
+            # can launch this very block; keep serving rounds instead of blocking.
+            while not h.test():
+                self.poll()
         h.wait()
         s, e = self.layout.blocks[k]
         if self.mode == ALL_REDUCE:

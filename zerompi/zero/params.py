@@ -29,7 +29,7 @@ class Plan:
     unit_sizes: list[int] | None = None  # parameters per unit (None: one unit)
     unit_names: list[str] = field(default_factory=list)
     unit_persistent: list[bool] = field(default_factory=list)
-    module_params: dict = field(default_factory=dict)  # module -> [id(param)] it uses
+    unit_roots: list = field(default_factory=list)  # the module whose forward gathers each unit
 
 
 def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype) -> None:

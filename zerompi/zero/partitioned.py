@@ -1,24 +1,32 @@
 """PartitionedParams (stage 3): between uses every rank holds only its shard.
 
-- Units. Each module's own trainable parameters (recurse=False) form a unit, laid out
-  on whole blocks of the flat space so one unit is gathered with one all-gather per
-  block and nothing of its neighbours. Parameters of at most
-  `stage3.persistence_threshold` elements form one persistent unit that stays gathered
-  (refreshed after each update).
+- Units (zero/units.py): module subtrees gathered together when their root module runs,
+  laid out on whole blocks of the flat space (one all-gather per block). Small
+  parameters (<= stage3.persistence_threshold) form one persistent unit that stays
+  gathered and is refreshed after each update.
 - Gather/release. Every unit owns a flat buffer of its full size; the parameters are
   permanent views of it. Releasing resizes the buffer's *storage* to zero bytes and
   gathering resizes it back and fills it, so tensors autograd saved for backward
-  (often views such as weight.t()) neither pin freed memory nor go stale, and touching
-  a released parameter fails loudly instead of reading garbage.
-    forward pre-hook  -> gather the module's units (prefetched ones just wait)
-    forward post-hook -> release them; hook the outputs so that backward gathers again
-    a unit's last gradient accumulated -> release it (gradients go through the
+  (often views such as weight.t()) neither pin freed memory nor go stale.
+    root forward pre-hook  -> gather the unit (a prefetched one just waits)
+    root forward post-hook -> release it; hook the outputs so that backward gathers again
+    the unit's last gradient accumulated -> release it (gradients go through the
     per-bucket reduce-scatter of grads.py into the gradient shard)
-- Order. The first step records the order of gathers (forward and backward) and checks
-  it is the same on every rank with one tiny all-reduce per gather, so a rank that runs
-  a different module raises an error naming it instead of deadlocking. Later steps
-  prefetch the next `stage3.prefetch_modules` units along the recorded order, within
-  `stage3.max_live_parameters` gathered elements.
+- Agreement rounds: what is gathered never depends on every rank running the same
+  modules in the same order (conditional branches, layers skipped by a data-dependent
+  flag, experts that get no token on some rank). A rank that needs a unit it does not
+  hold joins a *round*: one small all-reduce on a private communicator in which every
+  rank states the unit it needs now (if any), its next `prefetch_modules` units along
+  the order it saw last time, and whether it is done with the phase. From the result
+  every rank takes the same decisions: gather the lowest-numbered unit anyone needs,
+  plus every predicted unit all ranks agree on (the prefetch: in the static case every
+  rank predicts the same units and gathers run ahead of compute). A rank gathers units
+  only others need and frees them at once. A phase (forward, backward) ends with rounds
+  until every rank is done, so no rank moves on to other collectives while a peer still
+  needs it. Blocking waits inside backward (a full set of gradient buckets) keep serving
+  rounds (`serve`), so a peer waiting in a round never waits on this rank's bucket.
+  Gathers are keyed by the agreed unit, so ranks choosing different units can neither
+  hang nor receive each other's parameters.
 """
 from __future__ import annotations
 
@@ -28,14 +36,16 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from . import flat
+from . import flat, units as units_mod
 from .params import Plan
+
+NONE = float(2 ** 52)  # "no unit" in a round (above any unit index)
 
 
 class _Unit:
-    def __init__(self, idx: int, name: str, params: list[int], blocks: range, span: tuple[int, int],
-                 persistent: bool):
-        self.idx, self.name, self.params, self.blocks = idx, name, params, blocks
+    def __init__(self, idx: int, name: str, root, params: list[int], blocks: range,
+                 span: tuple[int, int], persistent: bool):
+        self.idx, self.name, self.root, self.params, self.blocks = idx, name, root, params, blocks
         self.lo, self.hi = span
         self.persistent = persistent
         self.full: torch.Tensor | None = None
@@ -59,43 +69,25 @@ def _alloc(t: torch.Tensor) -> None:
 class PartitionedParams:
     """Stage 3: only shards between uses; units gathered just in time (see above)."""
 
-    @staticmethod
-    def plan(model: nn.Module, trainable: list, cfg) -> Plan:
-        thr = cfg.stage3.persistence_threshold
-        names = {id(p): n for n, p in trainable}
-        seen: set[int] = set()
-        units: list[tuple[str, list]] = []
-        persistent: list = []
-        module_params: dict[nn.Module, list[int]] = {}
-        for mname, mod in model.named_modules():
-            own = []
-            for p in mod.parameters(recurse=False):
-                if id(p) not in names:
-                    continue
-                module_params.setdefault(mod, []).append(id(p))
-                if id(p) in seen:
-                    continue  # tied: belongs to the unit of the module that registered it first
-                seen.add(id(p))
-                (persistent if p.numel() <= thr else own).append((names[id(p)], p))
-            if own:
-                units.append((mname or "<root>", own))
-        units.reverse()  # backward order: the last module's gradients arrive first
-        if persistent:
-            units.append(("<persistent>", persistent))
-        return Plan(order=[np for _, ps in units for np in ps], unit_sizes=[len(ps) for _, ps in units],
-                    unit_names=[u[0] for u in units],
-                    unit_persistent=[u[0] == "<persistent>" for u in units], module_params=module_params)
+    plan = staticmethod(units_mod.plan)
 
     def __init__(self, plan: Plan, params: list, names: list[str], layout, state, comm, cfg,
                  owns_all: bool = False):
         self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
         self.cfg = cfg.stage3
-        self.module_params = plan.module_params
+        # Gathers on a private duplicate (counted with the group's traffic); rounds on
+        # another (control messages, not the paper's traffic).
+        self.gcomm = comm.split(0, comm.rank)
+        if hasattr(comm, "_stats"):
+            self.gcomm._stats = comm._stats
+        self.acomm = comm.split(0, comm.rank)
+        self.rounds = 0
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
         for u, (blocks, span, pidx) in enumerate(zip(layout.unit_blocks, layout.unit_spans, layout.unit_params)):
-            unit = _Unit(u, plan.unit_names[u], list(pidx), blocks, span, plan.unit_persistent[u])
+            unit = _Unit(u, plan.unit_names[u], plan.unit_roots[u], list(pidx), blocks, span,
+                         plan.unit_persistent[u])
             # Identical start everywhere, one unit at a time: values come from the
             # partitioned construction (zerompi.Init) or from rank 0's full tensors.
             full32 = pl.zeros(unit.size, torch.float32)
@@ -129,16 +121,15 @@ class PartitionedParams:
                 _free(unit.full)
             self.units.append(unit)
         self._live = 0  # gathered elements of non-persistent units
-        self._fwd_trace: list[int] | None = None
-        self._bwd_trace: list[int] | None = None
-        self._recording: list[int] | None = None
         self._phase = "idle"
+        self._seq: list[int] = []                     # this phase's unit requests
+        self._trace: dict[str, list[int]] = {"forward": [], "backward": []}  # last time's
         self._cursor = 0
         self._hooks = []
-        for mod, pids in self.module_params.items():
-            units = list(dict.fromkeys(self.unit_of[i] for i in pids))
-            self._hooks.append(mod.register_forward_pre_hook(self._pre_forward(units)))
-            self._hooks.append(mod.register_forward_hook(self._post_forward(units)))
+        for u in self.units:
+            if u.root is not None:
+                self._hooks.append(u.root.register_forward_pre_hook(self._pre_forward(u)))
+                self._hooks.append(u.root.register_forward_hook(self._post_forward(u)))
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_done(self.unit_of[id(p)])))
 
@@ -146,28 +137,33 @@ class PartitionedParams:
     # On an exception in forward/backward nothing below runs: waiting on in-flight
     # gathers could block on peers that will never match them (see ZeroEngine.backward).
     def start_forward(self) -> None:
-        self._phase, self._cursor = "forward", 0
-        if self._fwd_trace is None and torch.is_grad_enabled():
-            self._recording = []
+        self._begin("forward")
 
     def finish_forward(self) -> None:
-        if self._fwd_trace is None and self._recording is not None:
-            self._fwd_trace, self._recording = self._recording, None
-        self._release_all()  # prefetched but unused units, and anything left gathered
-        self._phase = "idle"
+        self._end("forward")
 
     def start_backward(self) -> None:
-        self._phase, self._cursor = "backward", 0
         for u in self.units:
             u.pending = len(u.params)
-        if self._bwd_trace is None:
-            self._recording = []
+        self._begin("backward")
 
     def finish_backward(self) -> None:
-        if self._bwd_trace is None:
-            self._bwd_trace, self._recording = self._recording, None
-        self._release_all()
+        self._end("backward")
+
+    def _begin(self, phase: str) -> None:
+        self._phase, self._cursor, self._seq = phase, 0, []
+
+    def _end(self, phase: str) -> None:
+        while not self._round(done=True):  # sync: until every rank is done with the phase
+            pass
+        self._release_all()  # prefetched but unused units, and anything left gathered
+        self._trace[phase] = self._seq
         self._phase = "idle"
+
+    def serve(self) -> None:
+        """One round while this rank waits on something else (grads.GradReducer polls
+        this instead of blocking), so peers that need a unit are not kept waiting."""
+        self._round()
 
     def after_update(self) -> None:
         """Only persistent units are kept gathered: refresh them from the new shards."""
@@ -177,17 +173,84 @@ class PartitionedParams:
                 self._gather(u)
                 self._wait(u)
 
-    # ------------------------------------------------------------------ gather / release
-    def _gather(self, u: _Unit) -> None:
-        if u.state != "free":
+    # ------------------------------------------------------------------ rounds
+    def _predictions(self) -> list[_Unit]:
+        """The next units along last time's order that fit within max_live_parameters."""
+        trace = self._trace.get(self._phase) or []
+        out, live = [], self._live
+        for idx in trace[self._cursor:self._cursor + self.cfg.prefetch_modules]:
+            v = self.units[idx]
+            if v.state == "free":
+                if live + v.size > self.cfg.max_live_parameters:
+                    break
+                live += v.size
+            out.append(v)
+        return out
+
+    def _round(self, want: _Unit | None = None, done: bool = False) -> bool:
+        """One agreement round (collective over the group, see the module docstring).
+        Returns True when every rank said it is done with the phase."""
+        k = self.cfg.prefetch_modules
+        preds = [] if done else self._predictions()
+        vals = [-(want.idx if want is not None else NONE)]
+        for j in range(k):
+            if j < len(preds):
+                v = preds[j]
+                vals += [v.idx, -v.idx, -float(v.state != "free")]
+            else:
+                vals += [NONE, -NONE, 0.0]
+        vals.append(-float(done))
+        # sync: one small all-reduce (max) per round
+        r = self.acomm.allreduce_scalars(vals, op="max")
+        self.rounds += 1
+        todo = [int(-r[0])] if -r[0] < NONE else []
+        for j in range(k):
+            hi, lo, all_have = r[1 + 3 * j], -r[2 + 3 * j], -r[3 + 3 * j]
+            if hi == lo < NONE and all_have < 1 and int(hi) not in todo:
+                todo.append(int(hi))
+        mine = {v.idx for v in preds} | ({want.idx} if want is not None else set())
+        foreign = []
+        for idx in todo:
+            u = self.units[idx]
+            if u.state == "free" and idx not in mine:
+                foreign.append(u)
+            self._gather(u, again=True)
+        for u in foreign:  # only a peer needed it
+            self._release(u)
+        return -r[-1] >= 1.0
+
+    def _fetch(self, u: _Unit) -> None:
+        if u.persistent:
             return
-        _alloc(u.full)
+        self._seq.append(u.idx)
+        trace = self._trace.get(self._phase) or []
+        try:
+            self._cursor = trace.index(u.idx, self._cursor) + 1
+        except ValueError:
+            pass
+        if u.state == "free":
+            while u.state == "free":
+                self._round(want=u)
+        elif any(v.state == "free" for v in self._predictions()):
+            self._round()  # keep the prefetch window full
+        self._wait(u)
+
+    # ------------------------------------------------------------------ gather / release
+    def _gather(self, u: _Unit, again: bool = False) -> None:
+        """Start the all-gather of `u` (every rank of the group issues the same ones).
+        again: also when held already (a peer needs it; the values are the same)."""
+        if u.state != "free" and not again:
+            return
+        if u.state == "inflight":
+            self._wait(u)  # never two outstanding receives into one buffer
+        if u.state == "free":
+            _alloc(u.full)
+            if not u.persistent:
+                self._live += u.size
         shard = self.state.shard_param
-        u.handles = [self.comm.all_gather(shard[sp.shard], u.full[sp.block], async_op=True)
+        u.handles = [self.gcomm.all_gather(shard[sp.shard], u.full[sp.block], async_op=True)
                      for sp in self.layout.spans(self.state.own, u.blocks, u.lo)]
         u.state = "inflight"
-        if not u.persistent:
-            self._live += u.size
 
     def _wait(self, u: _Unit) -> None:
         if u.state == "inflight":
@@ -208,57 +271,26 @@ class PartitionedParams:
         for u in self.units:
             self._release(u)
 
-    def _fetch(self, units: Iterable[_Unit], where: str) -> None:
-        for u in units:
-            if self._recording is not None and not u.persistent:
-                self._check_same_unit(u, where)
-                self._recording.append(u.idx)
-            self._gather(u)
-            self._wait(u)
-            self._prefetch_after(u)
-
-    def _check_same_unit(self, u: _Unit, where: str) -> None:
-        hi, neg_lo = self.comm.allreduce_scalars([float(u.idx), float(-u.idx)], op="max")
-        if hi != -neg_lo:
-            names = self.comm.allgather_object(u.name)
-            raise RuntimeError(f"stage 3: ranks run different modules in the first step's {where} "
-                               f"(" + ", ".join(f"rank {r}: {n}" for r, n in enumerate(names)) +
-                               "); every rank must call the same modules in the same order")
-
-    def _prefetch_after(self, u: _Unit) -> None:
-        trace = self._fwd_trace if self._phase == "forward" else self._bwd_trace
-        n = self.cfg.prefetch_modules
-        if not trace or n == 0:
-            return
-        try:
-            pos = trace.index(u.idx, self._cursor)
-        except ValueError:
-            return
-        self._cursor = pos + 1
-        for nxt in trace[pos + 1:pos + 1 + n]:
-            v = self.units[nxt]
-            if v.state == "free" and self._live + v.size <= self.cfg.max_live_parameters:
-                self._gather(v)  # async: completes when the module asks for it
-
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, units: list[_Unit]):
+    def _pre_forward(self, u: _Unit):
         def hook(mod, args):
-            self._fetch(units, "forward")
+            self._fetch(u)
         return hook
 
-    def _post_forward(self, units: list[_Unit]):
+    def _post_forward(self, u: _Unit):
         def hook(mod, args, output):
-            for u in units:
-                self._release(u)
+            if self._phase == "backward":
+                return  # recomputation (activation checkpointing): backward still needs it
+            self._release(u)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
-                        t.register_hook(self._pre_backward(units))
+                        t.register_hook(self._pre_backward(u))
         return hook
 
-    def _pre_backward(self, units: list[_Unit]):
+    def _pre_backward(self, u: _Unit):
         def hook(grad):
-            self._fetch(units, "backward")
+            self._fetch(u)
         return hook
 
     def _grad_done(self, u: _Unit):
@@ -267,6 +299,44 @@ class PartitionedParams:
             if u.pending == 0:
                 self._release(u)
         return hook
+
+    # ------------------------------------------------------------------ errors
+    def explain(self, exc: BaseException) -> Exception | None:
+        """A clear error for a read of a released parameter (torch reports only an
+        empty storage): names the parameter when the failing frame holds it, the
+        module that read it, its unit, and what to change. None: not that error."""
+        if "storage of size 0" not in str(exc):
+            return None
+        released = {id(self.params[i]): (self.names[i], u) for u in self.units
+                    if u.state == "free" for i in u.params}
+        roots = {id(u.root): u for u in self.units if u.root is not None}
+        top = next((u.root for u in self.units if u.name == "<root>"), None)
+        names = {id(m): n for n, m in top.named_modules()} if top is not None else {}
+        reader, hit, tb = None, None, exc.__traceback__
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for f in reversed(frames):  # innermost first
+            for v in f.f_locals.values():
+                if hit is None and isinstance(v, torch.Tensor) and id(v) in released:
+                    hit = released[id(v)]
+            mod = f.f_locals.get("self")
+            if reader is None and isinstance(mod, nn.Module) and (id(mod) in names or id(mod) in roots):
+                reader = mod
+        where = f"module '{names.get(id(reader), '?')}' ({type(reader).__name__})" if reader else "the model"
+        what = f"parameter '{hit[0]}' of unit '{hit[1].name}'" if hit else "a released parameter"
+        if hit is None and reader is not None:
+            inside = [released[id(p)][0] for p in reader.parameters() if id(p) in released]
+            if inside:
+                what = "a released parameter (released now, under it: " + ", ".join(inside[:4]) + ")"
+        cls = type(reader).__name__ if reader is not None else "<the reading module's class>"
+        return RuntimeError(
+            f"zerompi stage 3: {where} read {what} outside the unit that gathers it (a unit's "
+            f"parameters are present only while the unit's root module runs). Make one unit "
+            f"cover the reader: add '{cls}' to zero.stage3.unit_classes (now "
+            f"{self.cfg.unit_classes!r}), or keep small parameters resident with "
+            f"zero.stage3.persistence_threshold")
 
     # ------------------------------------------------------------------ whole-model access
     def full_state(self, all_ranks: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,128 @@
+"""Stage-3 units: which parameters are gathered together, and when.
+
+A unit is a module subtree (FSDP-style): when the unit's root module runs, every
+parameter of the subtree that belongs to no nested unit is gathered, so a parameter
+read anywhere inside the root's forward or backward is present - including reads that
+bypass the owning module (nn.MultiheadAttention reading out_proj.weight through
+F.multi_head_attention_forward, a parent calling F.linear(x, self.child.weight),
+mixture-of-experts layers calling only some experts).
+
+Unit roots (`stage3.unit_classes`, `stage3.unit_min_elements`):
+  - the model itself (everything no other unit claims: embeddings, final norm, head);
+  - "auto": the repeated blocks - children of an nn.ModuleList / nn.Sequential whose
+    class occurs more than once there (transformer layers of GPT, BERT, T5, Llama,
+    Mixtral, nn.TransformerEncoder), outermost only, so an expert list inside a layer
+    stays part of its layer's unit; or an explicit list of class names (nesting allowed);
+  - with unit_min_elements > 0, also any other module whose unclaimed subtree holds at
+    least that many elements (FSDP's size-based policy).
+A parameter registered by modules of several units (tied weights) belongs to their
+nearest common enclosing unit. Parameters of at most `persistence_threshold` elements
+form one persistent unit that stays gathered.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.nn as nn
+
+from .params import Plan
+
+PERSISTENT = "<persistent>"
+
+
+def _is_within(name: str, root: str) -> bool:
+    return root == "" or name == root or name.startswith(root + ".")
+
+
+def unit_roots(model: nn.Module, stage3) -> list[str]:
+    """Qualified names of the unit roots ("" is the model), in module order."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    roots: list[str] = [""]
+    classes = stage3.unit_classes.strip()
+    if classes == "auto":
+        for name, mod in modules.items():
+            if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+                continue
+            if any(r and _is_within(name, r) for r in roots):
+                continue  # inside a block already chosen: its unit covers it
+            kids = [(f"{name}.{k}" if name else k, c) for k, c in mod.named_children()]
+            counts = Counter(type(c) for _, c in kids if any(True for _ in c.parameters()))
+            roots += [n for n, c in kids if counts[type(c)] > 1]
+    else:
+        wanted = {c.strip() for c in classes.split(",")}
+        roots += [n for n, m in modules.items() if n and type(m).__name__ in wanted]
+    if stage3.unit_min_elements > 0:
+        roots += _size_roots(model, set(roots), stage3.unit_min_elements)
+    seen, out = set(), []
+    for n in modules:  # module order, each root once
+        if n in roots and n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+def _size_roots(model: nn.Module, roots: set[str], threshold: int) -> list[str]:
+    """Post-order: a module whose not-yet-claimed subtree holds >= threshold elements."""
+    out: list[str] = []
+
+    def visit(name: str, mod: nn.Module) -> int:
+        total = sum(p.numel() for p in mod.parameters(recurse=False) if p.requires_grad)
+        for k, child in mod.named_children():
+            cname = f"{name}.{k}" if name else k
+            sub = visit(cname, child)
+            total += 0 if cname in roots or cname in out else sub
+        if name and name not in roots and total >= threshold:
+            out.append(name)
+        return total
+
+    visit("", model)
+    return out
+
+
+def plan(model: nn.Module, trainable: list, cfg) -> Plan:
+    """Flat order (units in backward order, each unit's parameters in reverse
+    registration order) and the units of stage 3."""
+    s3 = cfg.stage3
+    roots = unit_roots(model, s3)
+    names = {id(p): n for n, p in trainable}
+    users: dict[int, list[str]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            if id(p) in names:
+                users.setdefault(id(p), []).append(mname)
+
+    def root_of(mname: str) -> str:
+        return max((r for r in roots if _is_within(mname, r)), key=len)
+
+    members: dict[str, list] = {r: [] for r in roots}
+    persistent = []
+    for n, p in trainable:
+        if p.numel() <= s3.persistence_threshold:
+            persistent.append((n, p))
+            continue
+        owners = {root_of(m) for m in users[id(p)]}
+        home = _common_root(owners, roots)
+        members[home].append((n, p))
+    units = [(r, ps[::-1]) for r, ps in members.items() if ps][::-1]  # backward order
+    if persistent:
+        units.append((PERSISTENT, persistent[::-1]))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    return Plan(order=[np for _, ps in units for np in ps], unit_sizes=[len(ps) for _, ps in units],
+                unit_names=[r if r != "" else "<root>" for r, _ in units],
+                unit_persistent=[r == PERSISTENT for r, _ in units],
+                unit_roots=[None if r == PERSISTENT else modules[r] for r, _ in units])
+
+
+def _common_root(owners: set[str], roots: list[str]) -> str:
+    """The innermost unit root enclosing every root in `owners`."""
+    if len(owners) == 1:
+        return owners.pop()
+    parts = [o.split(".") if o else [] for o in owners]
+    prefix = []
+    for segs in zip(*parts):
+        if len(set(segs)) != 1:
+            break
+        prefix.append(segs[0])
+    while prefix and ".".join(prefix) not in roots:
+        prefix.pop()
+    return ".".join(prefix)
