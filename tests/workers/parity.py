@@ -27,6 +27,9 @@ ap.add_argument("--clip", type=float, default=1.0)
 ap.add_argument("--bucket", type=lambda v: v if v == "auto" else int(v), default=300)
 ap.add_argument("--groups", action="store_true", help="decay matrices only (two param groups)")
 ap.add_argument("--persist", type=int, default=0, help="stage3.persistence_threshold")
+ap.add_argument("--unit-classes", default="auto", help="stage3.unit_classes")
+ap.add_argument("--unit-min", type=int, default=0, help="stage3.unit_min_elements")
+ap.add_argument("--init", action="store_true", help="build the model under zerompi.Init")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
@@ -42,13 +45,17 @@ if rank == 0:
     result["floor"] = max((p - refp[n]).abs().max().item() for n, p in floor_model.named_parameters())
 
 for stage in [int(s) for s in a.stages.split(",")]:
-    model = make_model(a.model)
-    engine = zerompi.initialize(model, {
-        "stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
-        "gradient_clipping": a.clip, "bucket_size": a.bucket,
-        "stage3": {"persistence_threshold": a.persist},
-        "optimizer": {"lr": a.lr, "weight_decay": 0.01}},
-        param_groups=decay_groups(model, 0.1) if a.groups else None)
+    cfg = {"stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
+           "gradient_clipping": a.clip, "bucket_size": a.bucket,
+           "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
+                      "unit_min_elements": a.unit_min},
+           "optimizer": {"lr": a.lr, "weight_decay": 0.01}}
+    if a.init:
+        with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well
+            model = make_model(a.model)
+    else:
+        model = make_model(a.model)
+    engine = zerompi.initialize(model, cfg, param_groups=decay_groups(model, 0.1) if a.groups else None)
     losses, norms, grad_err = [], [], None
     for step in range(a.steps):
         x, y = global_batch(step, a.rows, a.seq, vocab_of(model))
@@ -83,6 +90,10 @@ for stage in [int(s) for s in a.stages.split(",")]:
             "losses": losses, "norms": norms, "grad_rel_err": grad_err,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         }
+    if stage == 3:  # units gathered for a peer only, summed over ranks (> 0: ranks diverged)
+        foreign = world.allreduce(engine.param_store.foreign, op=MPI.SUM)
+        if rank == 0:
+            result["stage3"]["foreign"] = foreign
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

@@ -123,7 +123,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.size(-1))
         probs = F.softmax(self.router(flat), dim=-1)
         w, sel = probs.topk(self.k, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
+        if self.k > 1:  # top-1 keeps the raw probability, or the router would get no gradient
+            w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.where(sel == e)

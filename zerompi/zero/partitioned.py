@@ -81,7 +81,8 @@ class PartitionedParams:
         if hasattr(comm, "_stats"):
             self.gcomm._stats = comm._stats
         self.acomm = comm.split(0, comm.rank)
-        self.rounds = 0
+        self.rounds = 0    # agreement rounds held
+        self.foreign = 0   # units gathered only because a peer needed them (divergence)
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
@@ -214,6 +215,7 @@ class PartitionedParams:
             u = self.units[idx]
             if u.state == "free" and idx not in mine:
                 foreign.append(u)
+                self.foreign += 1
             self._gather(u, again=True)
         for u in foreign:  # only a peer needed it
             self._release(u)

@@ -1,0 +1,54 @@
+"""Stage 3 (and 1-2) on models nobody on the project wrote (tests/workers/zoo.py), against
+single-process torch.optim.AdamW on the same global batch: parameters read outside their
+module's forward, modules run on some ranks and not others, experts chosen differently
+per rank, transformers BERT/T5/GPT-2/Llama/Mixtral. Tolerances: test_parity.py."""
+import pytest
+
+from mpirun import run_mpi, WORKERS, run_worker
+from test_parity import _check_fp32
+
+KINDS = ["tenc", "flinear", "branch", "moe1", "moe2", "hf-bert", "hf-t5", "hf-gpt2", "hf-llama", "hf-mixtral"]
+HF_ENV = {"TRANSFORMERS_VERBOSITY": "error"}
+
+
+def _needs(kind):
+    if kind.startswith("hf-"):
+        pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stages_1_to_3_match_adamw_at_n2(kind, tmp_path):
+    _needs(kind)
+    r = run_worker(2, "parity", ["--model", kind, "--stages", "1,2,3", "--steps", "3"], tmp_path, env=HF_ENV)
+    _check_fp32(r, stages=(1, 2, 3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stage3_under_init_matches_adamw_at_n3(kind, tmp_path):
+    """Built under zerompi.Init (partitioned construction) at an uneven N."""
+    _needs(kind)
+    r = run_worker(3, "parity", ["--model", kind, "--stages", "3", "--steps", "3", "--init"], tmp_path, env=HF_ENV)
+    _check_fp32(r, stages=(3,))
+
+
+@pytest.mark.parametrize("kind", ["branch", "moe1", "moe2"])
+def test_units_run_on_some_ranks_only(kind, tmp_path):
+    """Every Sequential and Linear its own unit, so whole units (experts, the branch, the
+    skipped layer) run on some ranks and not others, differently per step: the gathers
+    agree across ranks (no hang, no mixing of same-shaped experts) and parity holds.
+    `foreign` > 0 proves ranks did diverge (a unit gathered only for a peer)."""
+    r = run_worker(3, "parity", ["--model", kind, "--stages", "3", "--steps", "4",
+                                 "--unit-classes", "Sequential,Linear"], tmp_path)
+    _check_fp32(r, stages=(3,))
+    assert r["stage3"]["foreign"] > 0, r["stage3"]
+
+
+def test_read_outside_the_unit_names_module_and_parameter():
+    """A unit policy that separates F.linear's reader from the child it reads: a clear
+    error naming both and the config key to change, and the job ends (no hang)."""
+    r = run_mpi(2, [str(WORKERS / "parity.py"), "--out", "/dev/null", "--model", "flinear",
+                    "--stages", "3", "--unit-classes", "Linear"], timeout=60, check=False)
+    assert r.returncode != 0
+    assert "module 'blocks.0' (_FBlock) read" in r.stdout, r.stdout[-3000:]
+    assert "blocks.0.child.weight" in r.stdout and "zero.stage3.unit_classes" in r.stdout
+    assert r.elapsed < 15
