@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterable
 
 import torch
@@ -126,6 +127,8 @@ class PartitionedParams:
         self._seq: list[int] = []                     # this phase's unit requests
         self._trace: dict[str, list[int]] = {"forward": [], "backward": []}  # last time's
         self._cursor = 0
+        self._pending = None   # a round serve() posted and nobody completed yet
+        self._idle, self._backoff, self._next_post = False, 2e-5, 0.0
         self._hooks = []
         for u in self.units:
             if u.root is not None:
@@ -155,6 +158,7 @@ class PartitionedParams:
         self._phase, self._cursor, self._seq = phase, 0, []
 
     def _end(self, phase: str) -> None:
+        self._finish_pending()
         while not self._round(done=True):  # sync: until every rank is done with the phase
             pass
         self._release_all()  # prefetched but unused units, and anything left gathered
@@ -162,9 +166,19 @@ class PartitionedParams:
         self._phase = "idle"
 
     def serve(self) -> None:
-        """One round while this rank waits on something else (grads.GradReducer polls
-        this instead of blocking), so peers that need a unit are not kept waiting."""
-        self._round()
+        """Called repeatedly while this rank waits on something else (grads.GradReducer
+        polls this instead of blocking): keeps a round posted, without blocking, so a
+        peer that needs a unit is never kept waiting. After a round in which nobody
+        needed anything, the next is posted only after a short, growing pause, so ranks
+        that all wait do not spin on rounds."""
+        if self._pending is not None:
+            if self._pending[0].test():
+                self._finish_pending()
+                self._next_post = time.monotonic() + (self._backoff if self._idle else 0.0)
+                self._backoff = min(2 * self._backoff, 1e-3) if self._idle else 2e-5
+            return
+        if time.monotonic() >= self._next_post:
+            self._pending = self._post(None, False)
 
     def after_update(self) -> None:
         """Only persistent units are kept gathered: refresh them from the new shards."""
@@ -188,9 +202,9 @@ class PartitionedParams:
             out.append(v)
         return out
 
-    def _round(self, want: _Unit | None = None, done: bool = False) -> bool:
-        """One agreement round (collective over the group, see the module docstring).
-        Returns True when every rank said it is done with the phase."""
+    def _post(self, want: _Unit | None, done: bool):
+        """This rank's contribution to the next round: [-want, (id, -id, -have) per
+        predicted unit, -done], reduced with max (see the module docstring)."""
         k = self.cfg.prefetch_modules
         preds = [] if done else self._predictions()
         vals = [-(want.idx if want is not None else NONE)]
@@ -201,15 +215,37 @@ class PartitionedParams:
             else:
                 vals += [NONE, -NONE, 0.0]
         vals.append(-float(done))
-        # sync: one small all-reduce (max) per round
-        r = self.acomm.allreduce_scalars(vals, op="max")
+        buf = torch.tensor(vals, dtype=torch.float64)
+        h = self.acomm.all_reduce(buf, op="max", async_op=True)
+        mine = {v.idx for v in preds} | ({want.idx} if want is not None else set())
         self.rounds += 1
+        return h, buf, mine
+
+    def _round(self, want: _Unit | None = None, done: bool = False) -> bool:
+        """One agreement round (collective over the group). True when every rank said it
+        is done with the phase."""
+        self._finish_pending()
+        h, buf, mine = self._post(want, done)
+        h.wait()  # sync: one small all-reduce per round
+        return self._decide(buf.tolist(), mine)
+
+    def _finish_pending(self) -> bool:
+        """Complete the round serve() posted, if any (rounds are processed in order)."""
+        if self._pending is None:
+            return False
+        h, buf, mine = self._pending
+        self._pending = None
+        h.wait()
+        return self._decide(buf.tolist(), mine)
+
+    def _decide(self, r: list[float], mine: set[int]) -> bool:
+        """The same decisions on every rank: gather the lowest unit anyone needs, and each
+        predicted unit that all ranks predict and not all hold."""
         todo = [int(-r[0])] if -r[0] < NONE else []
-        for j in range(k):
+        for j in range(self.cfg.prefetch_modules):
             hi, lo, all_have = r[1 + 3 * j], -r[2 + 3 * j], -r[3 + 3 * j]
             if hi == lo < NONE and all_have < 1 and int(hi) not in todo:
                 todo.append(int(hi))
-        mine = {v.idx for v in preds} | ({want.idx} if want is not None else set())
         foreign = []
         for idx in todo:
             u = self.units[idx]
@@ -219,6 +255,7 @@ class PartitionedParams:
             self._gather(u, again=True)
         for u in foreign:  # only a peer needed it
             self._release(u)
+        self._idle = not todo
         return -r[-1] >= 1.0
 
     def _fetch(self, u: _Unit) -> None:
