@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+import zoo
+
 torch.set_num_threads(1)
 
 
@@ -65,41 +67,14 @@ class Shapes(nn.Module):
         return logits, nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-class HF(nn.Module):
-    """A transformers causal LM built from a config, behind the (idx, targets) call."""
-
-    def __init__(self, kind: str):
-        super().__init__()
-        import transformers as tf
-
-        if kind == "hf-gpt2":
-            cfg = tf.GPT2Config(vocab_size=37, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                bos_token_id=0, eos_token_id=0)
-            self.lm = tf.GPT2LMHeadModel(cfg)
-        else:
-            cfg = tf.LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                                 pad_token_id=None)
-            self.lm = tf.LlamaForCausalLM(cfg)
-        self.emb = self.lm.get_input_embeddings()  # vocab_of() looks here
-
-    def forward(self, idx, targets=None):
-        logits = self.lm(input_ids=idx).logits.float()
-        if targets is None:
-            return logits
-        return logits, nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "odd":
         return Odd()
     if kind == "shapes":
         return Shapes()
-    if kind.startswith("hf-"):
-        return HF(kind)
+    if kind in zoo.KINDS:  # the models of issue 13, transformers ones included
+        return zoo.make_zoo(kind, seed)
     from zerompi.models.gpt import GPT, PRESETS
 
     return GPT(PRESETS["tiny"])
