@@ -27,6 +27,50 @@ def mpi():
     return MPI
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write to the fd itself: sys.stderr may be replaced, closed or buffered."""
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+
+
+def _drain(fd: int, seconds: float) -> None:
+    """Wait (at most `seconds`) until the reader at the other end of `fd` has taken what
+    we wrote: mpiexec's proxy reads each rank's stderr pipe, and MPI_Abort makes the
+    launcher kill every process, possibly before that read. A sleep alone lost the
+    traceback in ~1-2% of aborted 3-rank MPICH jobs. Pipes report unread bytes with
+    FIONREAD, sockets unsent ones with TIOCOUTQ (= SIOCOUTQ); files are fsynced."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        return
+    req = termios.FIONREAD if stat.S_ISFIFO(mode) else termios.TIOCOUTQ if stat.S_ISSOCK(mode) else None
+    deadline = time.monotonic() + seconds
+    while req is not None and time.monotonic() < deadline:
+        try:
+            left = struct.unpack("i", fcntl.ioctl(fd, req, b"\0" * 4))[0]
+        except OSError:
+            return
+        if left <= 0:
+            return
+        time.sleep(0.005)
+
+
 def _abort_excepthook(exc_type, exc, tb) -> None:
     MPI = sys.modules.get("mpi4py.MPI")
     rank = ""
@@ -35,20 +79,23 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
             rank = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
     except Exception:
         pass
-    msg = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write("".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n")))
-    sys.stderr.flush()
-    if exc_type is KeyboardInterrupt:
-        code = 130
-    else:
-        code = 1
+    try:
+        msg = "".join(traceback.format_exception(exc_type, exc, tb))
+    except Exception:  # a broken __str__ must not cost the report
+        msg = f"{getattr(exc_type, '__name__', exc_type)} (traceback could not be formatted)\n"
+    text = "".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n"))
+    for f in (sys.stdout, sys.stderr):  # earlier output first, in order
+        try:
+            f.flush()
+        except Exception:
+            pass
+    _write_all(2, text.encode("utf-8", "replace"))
+    code = 130 if exc_type is KeyboardInterrupt else 1
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
                 and MPI.COMM_WORLD.Get_size() > 1:
-            # MPI_Abort makes the launcher kill every rank at once, and it may do so
-            # before forwarding what this rank just wrote: measured, ~1-2% of aborted
-            # 3-rank MPICH jobs lost the traceback. A short pause lets it drain.
-            time.sleep(0.3)
+            _drain(1, 2.0)
+            _drain(2, 5.0)  # the traceback has left this process before the abort
             MPI.COMM_WORLD.Abort(code)
     except Exception:
         pass

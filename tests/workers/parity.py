@@ -29,7 +29,8 @@ ap.add_argument("--groups", action="store_true", help="decay matrices only (two 
 ap.add_argument("--persist", type=int, default=0, help="stage3.persistence_threshold")
 ap.add_argument("--unit-classes", default="auto", help="stage3.unit_classes")
 ap.add_argument("--unit-min", type=int, default=0, help="stage3.unit_min_elements")
-ap.add_argument("--init", action="store_true", help="build the model under zerompi.Init")
+ap.add_argument("--init", default="0", help="0: plain build, 1: under zerompi.Init, 0,1: both "
+                "(stage 3 only; results 'stageS' and 'stageS_init')")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
@@ -44,13 +45,16 @@ if rank == 0:
     result["ref_losses"], result["ref_norms"] = losses, norms
     result["floor"] = max((p - refp[n]).abs().max().item() for n, p in floor_model.named_parameters())
 
-for stage in [int(s) for s in a.stages.split(",")]:
+runs = [(int(s), init == "1") for s in a.stages.split(",")
+        for init in (a.init.split(",") if s == "3" else ["0"])]
+for stage, init in runs:
+    key = f"stage{stage}" + ("_init" if init else "")
     cfg = {"stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
            "gradient_clipping": a.clip, "bucket_size": a.bucket,
            "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
                       "unit_min_elements": a.unit_min},
            "optimizer": {"lr": a.lr, "weight_decay": 0.01}}
-    if a.init:
+    if init:
         with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well
             model = make_model(a.model)
     else:
@@ -85,7 +89,7 @@ for stage in [int(s) for s in a.stages.split(",")]:
     if rank == 0:
         refp = dict(ref.named_parameters())
         assert sd.keys() == dict(ref.named_parameters()).keys(), (sd.keys(), refp.keys())
-        result[f"stage{stage}"] = {
+        result[key] = {
             "max_diff": max((sd[n] - p.detach()).abs().max().item() for n, p in refp.items()),
             "losses": losses, "norms": norms, "grad_rel_err": grad_err,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -93,7 +97,7 @@ for stage in [int(s) for s in a.stages.split(",")]:
     if stage == 3:  # units gathered for a peer only, summed over ranks (> 0: ranks diverged)
         foreign = world.allreduce(engine.param_store.foreign, op=MPI.SUM)
         if rank == 0:
-            result["stage3"]["foreign"] = foreign
+            result[key]["foreign"] = foreign
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

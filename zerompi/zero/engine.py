@@ -30,7 +30,7 @@ from ..config import ZeroConfig
 from ..device import Placement
 from ..optim import ShardedAdamW, build_groups, build_segments
 from ..precision import DTYPES, cast_inputs, make_scaler
-from . import flat, grads, state_io
+from . import flat, grads, load_full, state_io
 from .params import ReplicatedParams, sync_untracked
 from .partitioned import PartitionedParams
 from .partition import Chunk, FlatLayout
@@ -268,6 +268,10 @@ class ZeroEngine:
     def gathered(self, params, modifier_rank: int | None = None):
         """Temporary full access (zerompi.GatheredParameters(..., engine=engine))."""
         return self.param_store.gathered(params, modifier_rank)
+
+    def load_full_state_dict(self, state_dict: dict | None, strict: bool = True):
+        """Full weights from rank 0's state_dict (others pass None), one tensor at a time."""
+        return load_full.load_full_state_dict(self, state_dict, strict)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model states this rank holds, by category, plus comm buffers."""

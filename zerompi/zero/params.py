@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from . import flat
+from .init_context import adopt
 
 
 @dataclass
@@ -37,7 +38,8 @@ def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype
     compute dtype, as module.to(dtype) would (DeepSpeed does the same)."""
     for p in model.parameters():
         if id(p) not in tracked:
-            t = p.detach().float().contiguous()
+            # frozen, built under zerompi.Init: full values first (all ranks, same order)
+            t = adopt(p) if hasattr(p, "_zero_init") else p.detach().float().contiguous()
             comm.broadcast(t, root=0)
             p.data = t.to(dtype)
     for mod in model.modules():
@@ -62,10 +64,8 @@ class ReplicatedParams:
         self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
         self.owns_all = owns_all
         for p in params:  # built under zerompi.Init: assemble the full values first
-            piece = getattr(p, "_zero_init", None)
-            if piece is not None:
-                p.data = piece.gather().to(p.dtype)
-                del p._zero_init
+            if hasattr(p, "_zero_init"):
+                p.data = adopt(p).to(p.dtype)
         full32 = state.scratch_full32()
         flat.pack_into(full32, params, layout)
         comm.broadcast(full32, root=0)  # identical start everywhere: rank 0's values

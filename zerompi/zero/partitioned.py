@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from . import flat, units as units_mod
+from .init_context import adopt
 from .params import Plan
 
 NONE = float(2 ** 52)  # "no unit" in a round (above any unit index)
@@ -103,8 +104,7 @@ class PartitionedParams:
                         raise ValueError(f"parameter {names[i]} was built under zerompi.Init over "
                                          f"{piece.world} ranks, but the engine's data-parallel group "
                                          f"has {comm.size}: pass the same dims to Init and initialize")
-                    full32[o:o + n].copy_(piece.gather().reshape(-1))
-                    del p._zero_init
+                    full32[o:o + n].copy_(adopt(p).reshape(-1))
                 else:
                     full32[o:o + n].copy_(p.detach().reshape(-1))
                     from_rank0 = True
