@@ -21,7 +21,7 @@ def test_stages_1_to_3_match_adamw_at_n2(kind, tmp_path):
     """Stage 3 built normally and under zerompi.Init; stages 1-2 unchanged."""
     _needs(kind)
     r = run_worker(2, "parity", ["--model", kind, "--stages", "1,2,3", "--steps", "3", "--init", "0,1"],
-                   tmp_path, env=HF_ENV)
+                   tmp_path, env=HF_ENV, timeout=400)
     _check_fp32(r, stages=(1, 2, 3, "3_init"))
 
 
@@ -30,7 +30,7 @@ def test_stage3_with_and_without_init_matches_adamw_at_n3(kind, tmp_path):
     """An uneven N; partitioned construction (zerompi.Init) and a normal build."""
     _needs(kind)
     r = run_worker(3, "parity", ["--model", kind, "--stages", "3", "--steps", "3", "--init", "0,1"],
-                   tmp_path, env=HF_ENV)
+                   tmp_path, env=HF_ENV, timeout=400)
     _check_fp32(r, stages=(3, "3_init"))
 
 
