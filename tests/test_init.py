@@ -27,7 +27,7 @@ def test_init_is_bitwise_a_plain_build_for_every_model(tmp_path, n):
         assert d["pieces"] <= d["psi"] / n + n * d["nparams"], (kind, d)
         # never the whole model: at most KEEP full parameters at any moment
         assert d["peak_full"] <= KEEP and d["peak_elements"] <= d["largest"] < d["psi"], (kind, d)
-    for kind in ("gpt", "hf-gpt2"):
+    for kind in ("gpt", "hf-gpt2", "odd"):
         assert r[f"load-{kind}"], kind                       # load_state_dict inside Init
         assert r[f"engine1-{kind}"] == [] and r[f"engine3-{kind}"] == [], kind
 

@@ -77,7 +77,8 @@ if a.mode == "bitwise":
                      "plain_after_adopt": all(type(p) is nn.Parameter and not hasattr(p, "_zero_init")
                                               for _, p in params[half:]), **stats}
     # load_state_dict inside Init (different seed first), and engines taking the model over
-    for kind in ("gpt", "hf-gpt2"):
+    # (odd: a frozen parameter, which the engine replicates through adopt too)
+    for kind in ("gpt", "hf-gpt2", "odd"):
         ref, _ = plain(kind)
         sd = {k: v.clone() for k, v in ref.state_dict().items()}
         with zerompi.Init(cfg, seed=6, keep_full=KEEP):
@@ -91,7 +92,7 @@ if a.mode == "bitwise":
             eng = zerompi.initialize(model, {**cfg, "stage": stage})
             sd = eng.full_state_dict(all_ranks=True)
             res[f"engine{stage}-{kind}"] = [n for n, p in ref.named_parameters()
-                                            if n in sd and not torch.equal(sd[n], p.detach())]
+                                            if not torch.equal(sd[n], p.detach())]
 elif a.mode == "errors":
     model, _, _ = under_init("tenc")
     w = model.enc.layers[1].self_attn.out_proj.weight

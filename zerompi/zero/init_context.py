@@ -31,13 +31,11 @@ from .init_param import InitRecord, ZeroInitParameter  # noqa: F401  (re-exporte
 
 
 class Session:
-    """One open Init block: the LRU of full parameters, the modules it saw, the op log."""
+    """One open Init block: the LRU of full parameters, module names, the op log."""
 
     def __init__(self, comm, keep_full: int, timeout: float | None):
         self.comm, self.keep_full, self.timeout = comm, keep_full, timeout
         self.lru: OrderedDict[int, ZeroInitParameter] = OrderedDict()
-        self.modules: list = []       # weakrefs, registration order (deterministic)
-        self._seen_mod: set[int] = set()
         self.ops: list[str] = []      # "number:op", for naming a divergence
         self.index: dict = {}         # id(record) -> (number, record)
         self.crc = 0
@@ -47,23 +45,14 @@ class Session:
     def on_param(self, module: nn.Module, name: str, p):
         if p is None or isinstance(p, ZeroInitParameter):
             return None
-        self._note(module)
         ip.track(p, self.comm, module, name)
         self.added(p)
         return None
 
     def on_module(self, parent: nn.Module, name: str, child):
-        if child is not None:
-            self._note(parent)
-            self._note(child)
-            if child not in ip._PARENT:  # a module registered twice keeps its first name
-                ip._PARENT[child] = (weakref.ref(parent), name)
+        if child is not None and child not in ip._PARENT:  # registered twice: first name
+            ip._PARENT[child] = (weakref.ref(parent), name)
         return None
-
-    def _note(self, m: nn.Module) -> None:
-        if id(m) not in self._seen_mod:
-            self._seen_mod.add(id(m))
-            self.modules.append(weakref.ref(m))
 
     # -------------------------------------------------------------- the LRU of full ones
     def added(self, p: ZeroInitParameter) -> None:
@@ -99,18 +88,10 @@ class Session:
 
     # -------------------------------------------------------------- exit
     def close(self) -> None:
-        """Partition what is left full, and parameters that slipped past the hooks
-        (put into `_parameters` directly, or deep copies of plain modules). No
-        communication."""
-        for ref in list(self.modules):
-            m = ref()
-            if m is None:
-                continue
-            for sub in m.modules():
-                for n, p in list(sub._parameters.items()):
-                    if p is not None and not isinstance(p, ZeroInitParameter):
-                        ip.track(p, self.comm, sub, n)
-                        self.lru[id(p)] = p
+        """Partition what is left full (no communication). Parameters that bypassed the
+        registration hook (a plain module built before the block and attached inside it,
+        a direct `_parameters[...] =`) stay plain: the engine then starts them from rank
+        0's values, which is right even if the ranks' values differ."""
         for p in self.lru.values():
             if p._zero_init.pinned == 0:
                 ip.partition(p)
