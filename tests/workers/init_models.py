@@ -123,6 +123,14 @@ elif a.mode == "errors":
     with zerompi.GatheredParameters([w_out], modifier_rank=0):
         if rank == 0:
             w_out.data[0].fill_(0.25)
+    # one op on several partitioned parameters with keep_full=1: bringing in the second
+    # must not partition the first under the op
+    ref, _ = plain("flinear")
+    with zerompi.Init(cfg, keep_full=1):
+        m = zoo.build("flinear")
+        both = torch.cat([m.blocks[0].child.weight, m.blocks[1].child.weight, m.emb.weight])
+    res["cat_ok"] = torch.equal(both, torch.cat([ref.blocks[0].child.weight, ref.blocks[1].child.weight,
+                                                 ref.emb.weight]))
     res["modified"] = [bool((adopt(w_in) == 0.5).all()), bool((adopt(w_out)[0] == 0.25).all())]
 elif a.mode == "stuck":
     # rank 0 alone reads a partitioned parameter: its gather must fail, named, not hang

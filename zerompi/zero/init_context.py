@@ -40,6 +40,7 @@ class Session:
         self.index: dict = {}         # id(record) -> (number, record)
         self.crc = 0
         self.peak_full, self.peak_elems, self.gathers = 0, 0, 0
+        self.busy: set[int] = set()   # arguments of the op being run: never evicted under it
 
     # -------------------------------------------------------------- registration hooks
     def on_param(self, module: nn.Module, name: str, p):
@@ -57,7 +58,7 @@ class Session:
     # -------------------------------------------------------------- the LRU of full ones
     def added(self, p: ZeroInitParameter) -> None:
         self.lru[id(p)] = p
-        self._shrink()
+        self.shrink()
 
     def touch(self, p: ZeroInitParameter) -> None:
         if id(p) in self.lru:
@@ -69,10 +70,11 @@ class Session:
         self.gathers += not overwrite
         self.added(p)
 
-    def _shrink(self) -> None:
+    def shrink(self) -> None:
         while len(self.lru) > self.keep_full:
             victim = next((k for k, q in self.lru.items()
-                           if q._zero_init.pinned == 0 and ip.evictable(q)), None)
+                           if k not in self.busy and q._zero_init.pinned == 0 and ip.evictable(q)),
+                          None)
             if victim is None:
                 break
             ip.partition(self.lru.pop(victim))
