@@ -45,6 +45,7 @@ def test_wrong_uses_name_the_parameter(tmp_path):
     assert "zerompi.Init" in r["lazy"] and "LazyLinear" in r["lazy"] and "'weight'" in r["lazy"]
     assert "ranks built the model differently" in r["diverge"], r["diverge"]
     assert "rank 1: `fill_` on parameter 'blocks.0.child.bias'" in r["diverge"], r["diverge"]
+    assert r["nested_ok"]
     assert r["cat_ok"]  # an op on several partitioned parameters at keep_full=1
     assert r["modified"] == [True, True]  # GatheredParameters(modifier_rank=0) in and after Init
 

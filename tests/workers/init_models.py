@@ -129,6 +129,11 @@ elif a.mode == "errors":
     with zerompi.Init(cfg, keep_full=1):
         m = zoo.build("flinear")
         both = torch.cat([m.blocks[0].child.weight, m.blocks[1].child.weight, m.emb.weight])
+    with zerompi.Init(cfg, keep_full=KEEP):  # a nested block is part of the outer one
+        with zerompi.Init(cfg):
+            nested = zoo.build("flinear")
+        nested_full = nested.emb.weight.sum()  # still inside the outer block: gathers
+    res["nested_ok"] = bool(torch.equal(nested_full, ref.emb.weight.sum()))
     res["cat_ok"] = torch.equal(both, torch.cat([ref.blocks[0].child.weight, ref.blocks[1].child.weight,
                                                  ref.emb.weight]))
     res["modified"] = [bool((adopt(w_in) == 0.5).all()), bool((adopt(w_out)[0] == 0.25).all())]

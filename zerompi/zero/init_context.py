@@ -133,7 +133,8 @@ class Session:
 class Init:
     """`with zerompi.Init(config): model = Build()` builds `model` partitioned.
 
-    keep_full: parameters kept full at a time (the LRU of recently touched ones).
+    keep_full: parameters kept full at a time (the LRU of recently touched ones; an op
+      on more parameters than that holds its arguments full while it runs).
     timeout: seconds a gather of one parameter waits for the other ranks before failing
     with its name (ranks running different construction code); None waits forever."""
 
@@ -153,6 +154,9 @@ class Init:
         self._handles: list = []
 
     def __enter__(self) -> "Init":
+        if ip._ACTIVE:  # nested (a Build() that opens its own Init): the outer block rules
+            self.session, self._handles = ip._ACTIVE[-1], None
+            return self
         torch.manual_seed(self.seed)  # same full values on every rank
         s = self.session = Session(self.comm, self.keep_full, self.timeout)
         reg = nn.modules.module
@@ -162,6 +166,8 @@ class Init:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if self._handles is None:
+            return
         for h in self._handles:
             h.remove()
         s = self.session
