@@ -27,7 +27,7 @@ def test_init_is_bitwise_a_plain_build_for_every_model(tmp_path, n):
         assert d["pieces"] <= d["psi"] / n + n * d["nparams"], (kind, d)
         # never the whole model: at most KEEP full parameters at any moment
         assert d["peak_full"] <= KEEP and d["peak_elements"] <= d["largest"] < d["psi"], (kind, d)
-    for kind in ("gpt", "hf-gpt2"):
+    for kind in ("gpt", "hf-gpt2", "odd"):
         assert r[f"load-{kind}"], kind                       # load_state_dict inside Init
         assert r[f"engine1-{kind}"] == [] and r[f"engine3-{kind}"] == [], kind
 
@@ -45,6 +45,8 @@ def test_wrong_uses_name_the_parameter(tmp_path):
     assert "zerompi.Init" in r["lazy"] and "LazyLinear" in r["lazy"] and "'weight'" in r["lazy"]
     assert "ranks built the model differently" in r["diverge"], r["diverge"]
     assert "rank 1: `fill_` on parameter 'blocks.0.child.bias'" in r["diverge"], r["diverge"]
+    assert r["nested_ok"]
+    assert r["cat_ok"]  # an op on several partitioned parameters at keep_full=1
     assert r["modified"] == [True, True]  # GatheredParameters(modifier_rank=0) in and after Init
 
 

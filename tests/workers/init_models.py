@@ -77,7 +77,8 @@ if a.mode == "bitwise":
                      "plain_after_adopt": all(type(p) is nn.Parameter and not hasattr(p, "_zero_init")
                                               for _, p in params[half:]), **stats}
     # load_state_dict inside Init (different seed first), and engines taking the model over
-    for kind in ("gpt", "hf-gpt2"):
+    # (odd: a frozen parameter, which the engine replicates through adopt too)
+    for kind in ("gpt", "hf-gpt2", "odd"):
         ref, _ = plain(kind)
         sd = {k: v.clone() for k, v in ref.state_dict().items()}
         with zerompi.Init(cfg, seed=6, keep_full=KEEP):
@@ -91,7 +92,7 @@ if a.mode == "bitwise":
             eng = zerompi.initialize(model, {**cfg, "stage": stage})
             sd = eng.full_state_dict(all_ranks=True)
             res[f"engine{stage}-{kind}"] = [n for n, p in ref.named_parameters()
-                                            if n in sd and not torch.equal(sd[n], p.detach())]
+                                            if not torch.equal(sd[n], p.detach())]
 elif a.mode == "errors":
     model, _, _ = under_init("tenc")
     w = model.enc.layers[1].self_attn.out_proj.weight
@@ -122,6 +123,19 @@ elif a.mode == "errors":
     with zerompi.GatheredParameters([w_out], modifier_rank=0):
         if rank == 0:
             w_out.data[0].fill_(0.25)
+    # one op on several partitioned parameters with keep_full=1: bringing in the second
+    # must not partition the first under the op
+    ref, _ = plain("flinear")
+    with zerompi.Init(cfg, keep_full=1):
+        m = zoo.build("flinear")
+        both = torch.cat([m.blocks[0].child.weight, m.blocks[1].child.weight, m.emb.weight])
+    with zerompi.Init(cfg, keep_full=KEEP):  # a nested block is part of the outer one
+        with zerompi.Init(cfg):
+            nested = zoo.build("flinear")
+        nested_full = nested.emb.weight.sum()  # still inside the outer block: gathers
+    res["nested_ok"] = bool(torch.equal(nested_full, ref.emb.weight.sum()))
+    res["cat_ok"] = torch.equal(both, torch.cat([ref.blocks[0].child.weight, ref.blocks[1].child.weight,
+                                                 ref.emb.weight]))
     res["modified"] = [bool((adopt(w_in) == 0.5).all()), bool((adopt(w_out)[0] == 0.25).all())]
 elif a.mode == "stuck":
     # rank 0 alone reads a partitioned parameter: its gather must fail, named, not hang

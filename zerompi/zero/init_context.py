@@ -31,44 +31,34 @@ from .init_param import InitRecord, ZeroInitParameter  # noqa: F401  (re-exporte
 
 
 class Session:
-    """One open Init block: the LRU of full parameters, the modules it saw, the op log."""
+    """One open Init block: the LRU of full parameters, module names, the op log."""
 
     def __init__(self, comm, keep_full: int, timeout: float | None):
         self.comm, self.keep_full, self.timeout = comm, keep_full, timeout
         self.lru: OrderedDict[int, ZeroInitParameter] = OrderedDict()
-        self.modules: list = []       # weakrefs, registration order (deterministic)
-        self._seen_mod: set[int] = set()
         self.ops: list[str] = []      # "number:op", for naming a divergence
         self.index: dict = {}         # id(record) -> (number, record)
         self.crc = 0
         self.peak_full, self.peak_elems, self.gathers = 0, 0, 0
+        self.busy: set[int] = set()   # arguments of the op being run: never evicted under it
 
     # -------------------------------------------------------------- registration hooks
     def on_param(self, module: nn.Module, name: str, p):
         if p is None or isinstance(p, ZeroInitParameter):
             return None
-        self._note(module)
         ip.track(p, self.comm, module, name)
         self.added(p)
         return None
 
     def on_module(self, parent: nn.Module, name: str, child):
-        if child is not None:
-            self._note(parent)
-            self._note(child)
-            if child not in ip._PARENT:  # a module registered twice keeps its first name
-                ip._PARENT[child] = (weakref.ref(parent), name)
+        if child is not None and child not in ip._PARENT:  # registered twice: first name
+            ip._PARENT[child] = (weakref.ref(parent), name)
         return None
-
-    def _note(self, m: nn.Module) -> None:
-        if id(m) not in self._seen_mod:
-            self._seen_mod.add(id(m))
-            self.modules.append(weakref.ref(m))
 
     # -------------------------------------------------------------- the LRU of full ones
     def added(self, p: ZeroInitParameter) -> None:
         self.lru[id(p)] = p
-        self._shrink()
+        self.shrink()
 
     def touch(self, p: ZeroInitParameter) -> None:
         if id(p) in self.lru:
@@ -80,10 +70,11 @@ class Session:
         self.gathers += not overwrite
         self.added(p)
 
-    def _shrink(self) -> None:
+    def shrink(self) -> None:
         while len(self.lru) > self.keep_full:
             victim = next((k for k, q in self.lru.items()
-                           if q._zero_init.pinned == 0 and ip.evictable(q)), None)
+                           if k not in self.busy and q._zero_init.pinned == 0 and ip.evictable(q)),
+                          None)
             if victim is None:
                 break
             ip.partition(self.lru.pop(victim))
@@ -99,18 +90,10 @@ class Session:
 
     # -------------------------------------------------------------- exit
     def close(self) -> None:
-        """Partition what is left full, and parameters that slipped past the hooks
-        (put into `_parameters` directly, or deep copies of plain modules). No
-        communication."""
-        for ref in list(self.modules):
-            m = ref()
-            if m is None:
-                continue
-            for sub in m.modules():
-                for n, p in list(sub._parameters.items()):
-                    if p is not None and not isinstance(p, ZeroInitParameter):
-                        ip.track(p, self.comm, sub, n)
-                        self.lru[id(p)] = p
+        """Partition what is left full (no communication). Parameters that bypassed the
+        registration hook (a plain module built before the block and attached inside it,
+        a direct `_parameters[...] =`) stay plain: the engine then starts them from rank
+        0's values, which is right even if the ranks' values differ."""
         for p in self.lru.values():
             if p._zero_init.pinned == 0:
                 ip.partition(p)
@@ -150,7 +133,8 @@ class Session:
 class Init:
     """`with zerompi.Init(config): model = Build()` builds `model` partitioned.
 
-    keep_full: parameters kept full at a time (the LRU of recently touched ones).
+    keep_full: parameters kept full at a time (the LRU of recently touched ones; an op
+      on more parameters than that holds its arguments full while it runs).
     timeout: seconds a gather of one parameter waits for the other ranks before failing
     with its name (ranks running different construction code); None waits forever."""
 
@@ -170,6 +154,9 @@ class Init:
         self._handles: list = []
 
     def __enter__(self) -> "Init":
+        if ip._ACTIVE:  # nested (a Build() that opens its own Init): the outer block rules
+            self.session, self._handles = ip._ACTIVE[-1], None
+            return self
         torch.manual_seed(self.seed)  # same full values on every rank
         s = self.session = Session(self.comm, self.keep_full, self.timeout)
         reg = nn.modules.module
@@ -179,6 +166,8 @@ class Init:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if self._handles is None:
+            return
         for h in self._handles:
             h.remove()
         s = self.session

@@ -27,7 +27,7 @@ they are partitioned only when pushed out, and rarely gathered again. Partitioni
 (keeping this rank's 1/N piece) needs no communication, since every rank holds the same
 full values. A parameter whose storage is still shared with a live view (`v = p[0]`) is
 not partitioned until the view dies, so writes through the view are never lost; at
-Init exit everything is partitioned. Every rank logs the ops it runs on parameters and
+Init exit everything is partitioned (a view kept past the block no longer reaches it). Every rank logs the ops it runs on parameters and
 its RNG state; at exit the logs are compared, so ranks that built differently fail
 naming the first differing op instead of holding a mix of two models.
 """
@@ -155,6 +155,8 @@ class ZeroInitParameter(nn.Parameter):
         every = _held(args, kwargs)
         held = list(dict.fromkeys(every))  # once each, in order (hash is id-based)
         session = _ACTIVE[-1] if _ACTIVE else None
+        if session is not None:  # bringing one argument in must not push another out
+            session.busy = {id(q) for q in held}
         for p in held:
             rec = p._zero_init
             if rec.full:
@@ -172,13 +174,21 @@ class ZeroInitParameter(nn.Parameter):
                     "needs them. Do it inside the Init block, inside `with zerompi.GatheredParameters"
                     "([param]):` (every rank), or load weights with engine.load_full_state_dict().")
             # no gather when the op writes every element and reads no other copy of p
-            overwrite = func in _OVERWRITE and _target(args, kwargs) is p and sum(x is p for x in every) == 1
+            overwrite = (func in _OVERWRITE and _target(args, kwargs) is p
+                         and sum(x is p for x in every) == 1)
             session.bring(p, overwrite=overwrite, op=_name(func))
-        logged = [q for q in held if not q._zero_init.pinned]  # GatheredParameters: rank-local edits
-        if session is not None and logged:
+        if session is None:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        logged = [q for q in held if not q._zero_init.pinned]  # GatheredParameters: rank-local
+        if logged:
             session.log(logged, func)
-        with DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        try:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        finally:
+            session.busy = set()
+            session.shrink()
 
     def __deepcopy__(self, memo):
         """A copy of a partitioned parameter stays partitioned (its piece is copied, no
