@@ -47,6 +47,7 @@ from .fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
+from .progress import Progress, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
 
@@ -89,14 +90,6 @@ def _threads_per_rank(local_ranks: int) -> int:
         return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, usable // local_ranks if usable == os.cpu_count() else usable)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if n < 1024:
-            return f"{n:.1f}MB" if unit == "MB" else f"{n:.0f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GB"
 
 
 def _trim_metrics(path: Path, upto: int) -> None:
@@ -170,47 +163,6 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
     # rows: divide the sum of row-weighted losses by the rows.
     loss_total, rows_total = dims.dp.allreduce_scalars([loss_sum, float(rows_sum)])
     return loss_total / rows_total
-
-
-class Progress:
-    """Rank 0's output: every step to metrics.jsonl, every log_interval-th step (and evals
-    and the last) to a tqdm bar or a printed line. Other ranks get a silent one."""
-
-    def __init__(self, cfg, metrics_path: Path, start_step: int, mfu_label: str, active: bool):
-        self.cfg, self.mfu_label, self.active, self.bar = cfg, mfu_label, active, None
-        self.show = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
-        self.file = open(metrics_path, "a", buffering=1) if active else None
-        if active and self.show == "bar":
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-
-    def update(self, rec: dict) -> None:
-        if not self.active:
-            return
-        self.file.write(json.dumps(rec) + "\n")
-        if self.bar is not None:
-            self.bar.update(1)
-        step, val = rec["step"], rec.get("val_loss")
-        if step % self.cfg.log_interval and step != self.cfg.max_steps and val is None:
-            return
-        mem = f" rss {_fmt_bytes(rec['rss'])} states {_fmt_bytes(rec['model_state_bytes'])}"
-        if self.bar is not None:
-            self.bar.set_postfix_str(
-                f"loss {rec['loss']:.4f}" + (f" val {val:.4f}" if val is not None else "")
-                + f" {rec['tokens_per_s']:,.0f} tok/s {self.mfu_label} {100 * rec['mfu']:.1f}%" + mem)
-        elif self.show == "lines":
-            print(f"step {step}/{self.cfg.max_steps} loss {rec['loss']:.4f}"
-                  + (f" val_loss {val:.4f}" if val is not None else "")
-                  + f" lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
-                  + f" {self.mfu_label} {100 * rec['mfu']:.2f}%" + mem, flush=True)
-
-    def close(self, message: str) -> None:
-        if self.active:
-            if self.bar is not None:
-                self.bar.close()
-            self.file.close()
-            print(f"zerompi.train: {message}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
             return EXIT_STOPPED
 
-    progress.close(f"done, {cfg.max_steps} steps in {time.perf_counter() - t_start:.1f}s")
+    progress.close(finish_message(cfg.max_steps, start_step, time.perf_counter() - t_start))
     return EXIT_OK
 
 

@@ -84,8 +84,8 @@ class TrainConfig:
     eval_batches: int = 8
     """Validation batches of global_batch sequences each (capped at one pass over the split)."""
     log_interval: int = 10
-    """Refresh the progress bar / print a line every this many steps (metrics.jsonl
-    gets every step)."""
+    """With progress = lines: print a line at step 1 and every this many steps (and at
+    evaluations and the last step); metrics.jsonl gets every step."""
     checkpoint_interval: int = 200
     """Checkpoint every this many steps and at the end; 0 = only at the end and on signals."""
     keep_last: int = 3
@@ -105,7 +105,9 @@ class TrainConfig:
     """Peak FLOP/s of one rank, for the MFU estimate; 0 = a rough CPU guess
     (threads x 100 GFLOP/s), so set it on GPUs (H100 SXM dense bf16: 989e12)."""
     progress: str = "auto"
-    """auto (a tqdm bar on a terminal, plain lines otherwise) | bar | lines | none."""
+    """auto | bar | lines | none. auto: rank 0 draws a bar with ETA and tokens/s when its
+    stdout reaches a terminal (also through mpiexec), else prints plain lines with the
+    time left (Slurm logs, pipes); see zerompi/progress.py."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
