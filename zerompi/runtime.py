@@ -35,13 +35,13 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
             rank = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
     except Exception:
         pass
-    msg = "".join(traceback.format_exception(exc_type, exc, tb))
+    code = 130 if exc_type is KeyboardInterrupt else 1
+    if getattr(exc, "user_error", False):  # bad input (data_check.DataError): the message says it all
+        msg, code = f"zerompi: error: {exc}", 2
+    else:
+        msg = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write("".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n")))
     sys.stderr.flush()
-    if exc_type is KeyboardInterrupt:
-        code = 130
-    else:
-        code = 1
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
                 and MPI.COMM_WORLD.Get_size() > 1:

@@ -42,7 +42,8 @@ import zerompi
 
 from . import comm, runtime, train_config
 from .config import ConfigError, to_dict
-from .data import TokenSampler, default_corpus, open_tokens, split_tokens
+from .data import TokenSampler, default_corpus, split_tokens
+from .data_check import CheckedSampler, open_agreed
 from .fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
@@ -190,10 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         if dims.rank == 0:
             default_corpus()  # build the cache once, not on every rank at the same time
         dims.world.barrier()  # sync: nobody opens the cache before it is complete
-    train_tokens, val_tokens = split_tokens(open_tokens(cfg.data), cfg.val_fraction)
-    T, B = cfg.seq_len, cfg.global_batch
-    train_data = TokenSampler(train_tokens, T, seed=cfg.seed)
-    val_data = TokenSampler(val_tokens, T, seed=cfg.seed) if cfg.eval_interval else None
+    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.gpt_config().vocab_size
+    spec = str(default_corpus()) if cfg.data == "default" else cfg.data
+    # Format, size and a sample of ids checked before any step; the rest as batches are read.
+    tokens = open_agreed(spec, V, T, cfg.val_fraction, bool(cfg.eval_interval), dims.world)
+    if tokens is None:
+        return EXIT_USAGE
+    train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
+    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec)
+    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
 
     # ---------------------------------------------------------------- model and engine
     gpt_cfg = cfg.model.gpt_config()
