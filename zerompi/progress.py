@@ -89,6 +89,29 @@ def finish_message(max_steps: int, start_step: int, elapsed: float) -> str:
             f"in {elapsed:.1f}s (this run only)")
 
 
+def batch_note(global_batch: int, grad_accum: int, dp: int) -> str | None:
+    """A line for rank 0 when the batch does not split evenly over the ranks, or None.
+    Uneven rows are handled exactly (losses are weighted by rows; tests/test_train.py),
+    but silently wasting a rank's time surprised users, so say it."""
+    from .data import shard_range
+
+    counts = [[b - a for a, b in (shard_range(m1 - m0, r, dp) for r in range(dp))]
+              for m0, m1 in (shard_range(global_batch, m, grad_accum) for m in range(grad_accum))]
+    flat = [c for micro in counts for c in micro]
+    if len(set(flat)) == 1:
+        return None
+    even = dp * grad_accum
+    note = (f"note: global_batch {global_batch} in {grad_accum} micro-step(s) does not split evenly "
+            f"over {dp} data-parallel ranks ({min(flat)} to {max(flat)} rows per rank and micro-step). "
+            f"The update is still exact (losses are weighted by rows), but ranks with fewer rows wait "
+            f"for the others")
+    if min(flat) == 0:
+        idle = sorted({r for micro in counts for r, c in enumerate(micro) if c == 0})
+        note += (f"; rank(s) {', '.join(map(str, idle))} get no rows in some micro-steps and compute "
+                 "a borrowed row weighted 0")
+    return note + f". For equal work use a global_batch that is a multiple of {even}."
+
+
 class Progress:
     """Rank 0's output: every step to metrics.jsonl; a tqdm bar or plain lines to stdout.
     Other ranks get a silent one (`active=False`)."""

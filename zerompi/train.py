@@ -20,9 +20,9 @@ checkpoint, so re-running the same command is always safe.
 Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs)
-    124  stopped by SIGUSR1 or SIGTERM after writing a checkpoint: requeue the job,
-         e.g. `#SBATCH --signal=USR1@120` plus, in the batch script,
-         `srun ... ; [ $? -eq 124 ] && scontrol requeue $SLURM_JOB_ID`
+    124  stopped by SIGUSR1 or SIGTERM after writing a checkpoint: requeue the job, as
+         slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch shell, which
+         relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
     1    anything else (one rank's exception aborts the whole job, see runtime.py)
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
-from .progress import Progress, finish_message
+from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
 
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
               + (f"resumed at step {start_step}" if start_step else "starting at step 0")
               + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
                  "GFLOP/s per rank (set peak_flops)"), flush=True)
+        note = batch_note(B, G, dims.dp_size)
+        if note:
+            print(f"zerompi.train: {note}", flush=True)
     dims.world.barrier()  # sync: run_dir exists before anyone writes to it
     progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
 

@@ -70,7 +70,8 @@ class TrainConfig:
     """Tokens per training sequence; 0 = the model's context length (must be <= it)."""
     global_batch: int = 32
     """Sequences per optimizer step, summed over all ranks and micro-steps
-    (zero.gradient_accumulation_steps micro-steps per step)."""
+    (zero.gradient_accumulation_steps micro-steps per step). Need not divide by the
+    ranks: uneven rows are exact (losses weighted by rows), and rank 0 prints a note."""
     max_steps: int = 1000
     """Optimizer steps of the whole run (a resumed run continues up to this)."""
     warmup_steps: int = 100
