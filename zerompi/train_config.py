@@ -155,23 +155,33 @@ def load(source: "str | os.PathLike | dict | None" = None,
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:
-    """`--config FILE` (or config=FILE) plus `--key value` / `key=value` overrides."""
+    """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json` (its
+    settings replace the zero table's and global_batch), then `--key value` / `key=value`
+    overrides."""
     argv = list(argv)
-    source = None
+    files = {"config": None, "deepspeed_config": None}
     rest = []
     i = 0
     while i < len(argv):
         tok = argv[i]
-        if tok in ("--config", "-c"):
+        name = "config" if tok == "-c" else tok.lstrip("-").split("=", 1)[0]
+        if name in files and (tok.startswith("--") or tok == "-c" or "=" in tok):
+            if "=" in tok:
+                files[name], i = tok.split("=", 1)[1], i + 1
+                continue
             if i + 1 >= len(argv):
-                raise ValueError("--config needs a file name")
-            source, i = argv[i + 1], i + 2
+                raise ValueError(f"--{name} needs a file name")
+            files[name], i = argv[i + 1], i + 2
             continue
-        if tok.startswith("--config=") or tok.startswith("config="):
-            source = tok.split("=", 1)[1]
-        else:
-            rest.append(tok)
+        rest.append(tok)
         i += 1
+    source = files["config"]
+    if files["deepspeed_config"]:
+        from . import ds_config
+
+        base = config.read_file(source) if source else {}
+        source = ds_config.merge_into_train_config(base, config.read_file(files["deepspeed_config"]),
+                                                   f"DeepSpeed config {files['deepspeed_config']}")
     return load(source, parse_overrides(rest))
 
 
