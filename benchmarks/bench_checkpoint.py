@@ -4,17 +4,17 @@
 Worker mode (one job = one system x model x N):
 
     mpiexec -n 2 python -m mpi4py benchmarks/bench_checkpoint.py --system zerompi \
-        --model gpt-200m --dir /tmp/ckbench --out r.json
+        --model gpt2 --vocab 64000 --dir /tmp/ckbench --out r.json
 
 Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
 
-    python benchmarks/bench_checkpoint.py --driver --model gpt-200m \
+    python benchmarks/bench_checkpoint.py --driver --machine vm \
         --out benchmarks/results/checkpoint_cpu.json --png benchmarks/results/checkpoint_cpu.png
 
 Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
 training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
-file per rank + index.h5 + manifest, fsynced, sha256 computed on save and verified on
-load. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
+file per rank + index.h5 + manifest, fsynced, checksums (CRC-32 per 64 MiB block)
+computed on save and verified on load. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
 (weights_only=True) + load_state_dict. DeepSpeed (when importable; --ds-python names an
 interpreter that has it): ZeRO stage 2 on CPU with gloo, engine.save_checkpoint then
 os.sync() (DeepSpeed does not fsync), engine.load_checkpoint. Loads are timed after
@@ -75,13 +75,22 @@ def dir_bytes(path: str) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def build_model(name: str):
+def model_config(name: str, vocab: int = 0):
+    """A GPT preset, optionally with another vocabulary (gpt2 + vocab 64000 = 135.0M)."""
+    import dataclasses
+
+    from zerompi.models.gpt import PRESETS
+
+    return dataclasses.replace(PRESETS[name], vocab_size=vocab) if vocab else PRESETS[name]
+
+
+def build_model(name: str, vocab: int = 0):
     import torch
 
-    from zerompi.models.gpt import GPT, PRESETS
+    from zerompi.models.gpt import GPT
 
     torch.manual_seed(0)
-    return GPT(PRESETS[name])
+    return GPT(model_config(name, vocab))
 
 
 def one_step(model_call, backward, step, vocab: int) -> None:
@@ -99,7 +108,7 @@ def bench_zerompi(a, comm) -> dict:
     import zerompi
     from zerompi.checkpoint import load, save
 
-    model = build_model(a.model)
+    model = build_model(a.model, a.vocab)
     engine = zerompi.initialize(model, {"stage": 2, "precision": "fp32", "optimizer": {"lr": 1e-4}})
     one_step(engine, engine.backward, engine.step, model.config.vocab_size)
     rank = comm.Get_rank()
@@ -126,7 +135,7 @@ def bench_zerompi(a, comm) -> dict:
 def bench_torch(a) -> dict:
     import torch
 
-    model = build_model(a.model)
+    model = build_model(a.model, a.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     one_step(model, lambda loss: loss.backward(), opt.step, model.config.vocab_size)
     os.makedirs(a.dir, exist_ok=True)
@@ -159,7 +168,7 @@ def bench_deepspeed(a, comm) -> dict:
                        "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(comm.bcast(a.port))})
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build_model(a.model)
+    model = build_model(a.model, a.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
            "zero_allow_untested_optimizer": True}
@@ -204,6 +213,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
     shutil.rmtree(ckdir, ignore_errors=True)
     cmd = [python, "-m", "mpi4py", str(Path(__file__).resolve()), "--system", system, "--model", a.model,
+           "--vocab", str(a.vocab),
            "--dir", str(ckdir), "--out", str(out), "--repeats", str(a.repeats), "--port", str(29500 + n)]
     if system != "torch":
         cmd = ["mpiexec", "-n", str(n)] + cmd
@@ -239,16 +249,36 @@ def driver(a) -> None:
             print(json.dumps(results[-1]), flush=True)
     else:
         notes.append(f"DeepSpeed skipped: not importable with {ds_python} ({probe.stderr.strip()[-200:]})")
-    report = {"benchmark": "checkpoint save/load", "model": a.model,
-              "params": count_params(PRESETS[a.model]), "precision": "fp32", "zerompi_stage": 2,
+    report = {"benchmark": "checkpoint save/load", "model": a.model + (f" (vocab {a.vocab})" if a.vocab else ""),
+              "params": count_params(model_config(a.model, a.vocab)), "precision": "fp32", "zerompi_stage": 2,
               "repeats": a.repeats, "timing": "best of repeats, wall clock between barriers",
               "machine": machine_info(a.workdir), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes}
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes,
+              "checks": checks(results)}
+    if a.machine:
+        report["machine"]["name"] = a.machine
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
     if a.png:
         plot(report, a.png)
     print(f"wrote {a.out}" + (f" and {a.png}" if a.png else ""))
+
+
+def checks(results: list[dict]) -> dict:
+    """Issue 16's targets: zerompi at N=1 within 1.5x of torch.save/torch.load, and more
+    bytes per second at N=4 than at N=1."""
+    get = lambda system, n: next((r for r in results if r["system"] == system and r["n"] == n  # noqa: E731
+                                  and "error" not in r), None)
+    z1, z4, t1 = get("zerompi", 1), get("zerompi", 4), get("torch", 1)
+    out = {}
+    if z1 and t1:
+        out["save_ratio_n1_vs_torch"] = z1["save_s"] / t1["save_s"]
+        out["load_ratio_n1_vs_torch"] = z1["load_s"] / t1["load_s"]
+        out["within_1.5x_of_torch"] = max(out["save_ratio_n1_vs_torch"], out["load_ratio_n1_vs_torch"]) <= 1.5
+    if z1 and z4:
+        out["save_gbs_n4_over_n1"] = z4["save_gbs"] / z1["save_gbs"]
+        out["load_gbs_n4_over_n1"] = z4["load_gbs"] / z1["load_gbs"]
+    return out
 
 
 def plot(report: dict, png: str) -> None:
@@ -276,7 +306,8 @@ def plot(report: dict, png: str) -> None:
         ax.legend(fontsize=8)
     m = report["machine"]
     fig.suptitle(f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
-                 f"throughput — {m['cores']} cores {m['cpu']}, {m['ram_gib']} GiB, {m['disk']}", fontsize=9)
+                 f"throughput — {m.get('name', m['hostname'])}: {m['cores']} cores {m['cpu']}, "
+                 f"{m['ram_gib']} GiB, {m['disk']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -285,9 +316,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--driver", action="store_true")
     ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
-    ap.add_argument("--model", default="gpt-200m", help="GPT preset (gpt-200m, gpt-20m, small, tiny)")
+    ap.add_argument("--model", default="gpt2", help="GPT preset (gpt2, gpt-200m, gpt-20m, small, tiny)")
+    ap.add_argument("--vocab", type=int, default=64000,
+                    help="vocabulary size override (0 = the preset's); gpt2 + 64000 = 135.0M parameters")
+    ap.add_argument("--machine", default="", help='a name for the machine in the report, e.g. "vm"')
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/zerompi-ckbench/ck")
     ap.add_argument("--workdir", default="/tmp/zerompi-ckbench")
     ap.add_argument("--ds-python", default="", help="python that can import deepspeed (default: this one)")
