@@ -10,7 +10,8 @@ Slurm (inside an sbatch script; one task per rank, or per GPU):
 
 Settings are TrainConfig fields (zerompi/train_config.py; `--help` lists them all):
 `--config FILE` (TOML or JSON), then `--key value` or `key=value` overrides, dotted for
-nested tables: `--max_steps 50 zero.stage=2 --zero.optimizer.lr 3e-4`.
+nested tables: `--max_steps 50 zero.stage=2 --zero.optimizer.lr 3e-4`. A DeepSpeed
+config works too: `--deepspeed_config ds_config.json` (docs/migrating-from-deepspeed.md).
 
 Outputs in run_dir: config.json, metrics.jsonl (one JSON object per step; plot it with
 `python -m zerompi.plot RUN_DIR`), checkpoints/ (every checkpoint_interval steps, at the
