@@ -138,7 +138,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
         else:
             try:  # housekeeping: the checkpoint is already published, so only warn
                 dirs.cleanup(directory)
-                dirs.rotate(directory, keep_last, tag)
+                dirs.rotate(directory, keep_last, tag, background=True)
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
     fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's publish outcome
