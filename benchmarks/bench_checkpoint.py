@@ -333,7 +333,7 @@ def plot(report: dict, png: str) -> None:
 
     rows = [r for r in report["results"] if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
-    for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. sha256 verify)")):
+    for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. checksum verify)")):
         labels, agg, per = [], [], []
         for r in rows:
             if r.get(f"{key}_gbs") is None:
