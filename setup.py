@@ -16,11 +16,13 @@ setup(
     install_requires=[
         "mpi4py>=4.0",
         "numpy>=1.24",
-        # Install torch==2.13.0 (the CPU wheel) first on machines without a GPU; an
-        # unpinned torch pulls the newest CUDA build (several GB).
+        # install.sh installs torch==2.13.0 first (the CPU or the CUDA build, see there);
+        # an unpinned torch pulls the newest CUDA build (several GB).
         "torch>=2.3",
         "h5py>=3.8",
         "tqdm>=4.60",
+        # `python -m zerompi.plot` must work right after the README's first command.
+        "matplotlib>=3.6",
     ],
     extras_require={
         # An MPI library from PyPI for machines without a site MPI (workstations, CI).
@@ -28,8 +30,7 @@ setup(
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         # transformers: stage-3 tests build a GPT-2 and a Llama from configs (no download);
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time
-        "test": ["pytest>=7", "matplotlib>=3.6", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
-        "bench": ["matplotlib>=3.6"],
+        "test": ["pytest>=7", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
     },
     entry_points={"console_scripts": [
         "zerompi-train=zerompi.train:main",

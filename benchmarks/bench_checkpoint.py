@@ -4,17 +4,17 @@
 Worker mode (one job = one system x model x N):
 
     mpiexec -n 2 python -m mpi4py benchmarks/bench_checkpoint.py --system zerompi \
-        --model gpt-200m --dir /tmp/ckbench --out r.json
+        --model gpt2 --vocab 64000 --dir /tmp/ckbench --out r.json
 
 Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
 
-    python benchmarks/bench_checkpoint.py --driver --model gpt-200m \
+    python benchmarks/bench_checkpoint.py --driver --machine vm \
         --out benchmarks/results/checkpoint_cpu.json --png benchmarks/results/checkpoint_cpu.png
 
 Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
 training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
-file per rank + index.h5 + manifest, fsynced, sha256 computed on save and verified on
-load. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
+file per rank + index.h5 + manifest, fsynced, checksums (CRC-32 per 64 MiB block)
+computed on save and verified on load. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
 (weights_only=True) + load_state_dict. DeepSpeed (when importable; --ds-python names an
 interpreter that has it): ZeRO stage 2 on CPU with gloo, engine.save_checkpoint then
 os.sync() (DeepSpeed does not fsync), engine.load_checkpoint. Loads are timed after
@@ -75,13 +75,22 @@ def dir_bytes(path: str) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def build_model(name: str):
+def model_config(name: str, vocab: int = 0):
+    """A GPT preset, optionally with another vocabulary (gpt2 + vocab 64000 = 135.0M)."""
+    import dataclasses
+
+    from zerompi.models.gpt import PRESETS
+
+    return dataclasses.replace(PRESETS[name], vocab_size=vocab) if vocab else PRESETS[name]
+
+
+def build_model(name: str, vocab: int = 0):
     import torch
 
-    from zerompi.models.gpt import GPT, PRESETS
+    from zerompi.models.gpt import GPT
 
     torch.manual_seed(0)
-    return GPT(PRESETS[name])
+    return GPT(model_config(name, vocab))
 
 
 def one_step(model_call, backward, step, vocab: int) -> None:
@@ -99,17 +108,22 @@ def bench_zerompi(a, comm) -> dict:
     import zerompi
     from zerompi.checkpoint import load, save
 
-    model = build_model(a.model)
+    model = build_model(a.model, a.vocab)
     engine = zerompi.initialize(model, {"stage": 2, "precision": "fp32", "optimizer": {"lr": 1e-4}})
     one_step(engine, engine.backward, engine.step, model.config.vocab_size)
     rank = comm.Get_rank()
     out = {"save_s": [], "load_s": [], "load_noverify_s": []}
+    pair = comm.Get_size() == 1  # N=1: torch.save/load of the very same tensors, interleaved
+    if pair:
+        out.update(torch_save_s=[], torch_load_s=[])
     for rep in range(a.repeats):
         comm.Barrier()
         t0 = time.perf_counter()
         path = save(engine, a.dir, tag=f"rep{rep}", keep_last=1)
         comm.Barrier()
         out["save_s"].append(time.perf_counter() - t0)
+        if pair:
+            out["torch_save_s"].append(_torch_same_tensors(engine, a.dir, "save"))
         for key, verify in (("load_s", True), ("load_noverify_s", False)):
             cold = drop_caches() if rank == 0 else None
             comm.Barrier()
@@ -118,15 +132,42 @@ def bench_zerompi(a, comm) -> dict:
             comm.Barrier()
             out[key].append(time.perf_counter() - t0)
             out["cold"] = comm.bcast(cold)
+        if pair:
+            drop_caches()
+            out["torch_load_s"].append(_torch_same_tensors(engine, a.dir, "load"))
     out["rank_bytes"] = comm.allgather(os.path.getsize(os.path.join(path, f"rank-{rank:05d}.h5")))
     out["total_bytes"] = dir_bytes(path)
     return out
 
 
+def _torch_same_tensors(engine, directory: str, what: str) -> float:
+    """Seconds for torch.save (+ fsync) of the engine's own state tensors (master and
+    moments, the views the checkpoint writes), or torch.load + copy back into them:
+    the like-for-like reference of issue 16, timed right beside zerompi's own save or
+    load so that both see the same machine load."""
+    import torch
+
+    st = engine.export_state(views=True)
+    views = {f"{k}/{i}": t for k, ts in st["tensors"].items() for i, t in enumerate(ts)}
+    path = os.path.join(directory, "same_tensors.pt")
+    t0 = time.perf_counter()
+    if what == "save":
+        # clone-free: torch.save writes each view's storage (the flat buffers) once
+        torch.save(views, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    else:
+        sd = torch.load(path, weights_only=True)
+        for k, t in views.items():
+            t.copy_(sd[k])
+        del sd
+    return time.perf_counter() - t0
+
+
 def bench_torch(a) -> dict:
     import torch
 
-    model = build_model(a.model)
+    model = build_model(a.model, a.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     one_step(model, lambda loss: loss.backward(), opt.step, model.config.vocab_size)
     os.makedirs(a.dir, exist_ok=True)
@@ -159,7 +200,7 @@ def bench_deepspeed(a, comm) -> dict:
                        "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(comm.bcast(a.port))})
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build_model(a.model)
+    model = build_model(a.model, a.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
            "zero_allow_untested_optimizer": True}
@@ -190,7 +231,14 @@ def bench_deepspeed(a, comm) -> dict:
 def summarize(r: dict, n: int) -> dict:
     best = lambda k: min(r[k]) if r.get(k) else None  # noqa: E731
     s = {"n": n, "total_bytes": r["total_bytes"], "save_s": best("save_s"), "load_s": best("load_s"),
-         "load_noverify_s": best("load_noverify_s"), "cold_load": r.get("cold")}
+         "load_noverify_s": best("load_noverify_s"), "cold_load": r.get("cold"),
+         "all_s": {k: r[k] for k in ("save_s", "load_s", "load_noverify_s", "torch_save_s", "torch_load_s")
+                   if r.get(k)}}
+    if r.get("torch_save_s"):
+        # Per repeat, zerompi over torch.save/load of the same tensors timed just after it.
+        ratio = lambda a, b: sorted(x / y for x, y in zip(r[a], r[b]))  # noqa: E731
+        s["same_tensor_ratios"] = {"save": ratio("save_s", "torch_save_s"), "load": ratio("load_s", "torch_load_s")}
+        s["torch_same_tensors_save_s"], s["torch_same_tensors_load_s"] = best("torch_save_s"), best("torch_load_s")
     for k in ("save", "load", "load_noverify"):
         t = s[f"{k}_s"]
         if t:
@@ -204,6 +252,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
     shutil.rmtree(ckdir, ignore_errors=True)
     cmd = [python, "-m", "mpi4py", str(Path(__file__).resolve()), "--system", system, "--model", a.model,
+           "--vocab", str(a.vocab),
            "--dir", str(ckdir), "--out", str(out), "--repeats", str(a.repeats), "--port", str(29500 + n)]
     if system != "torch":
         cmd = ["mpiexec", "-n", str(n)] + cmd
@@ -239,16 +288,41 @@ def driver(a) -> None:
             print(json.dumps(results[-1]), flush=True)
     else:
         notes.append(f"DeepSpeed skipped: not importable with {ds_python} ({probe.stderr.strip()[-200:]})")
-    report = {"benchmark": "checkpoint save/load", "model": a.model,
-              "params": count_params(PRESETS[a.model]), "precision": "fp32", "zerompi_stage": 2,
+    report = {"benchmark": "checkpoint save/load", "model": a.model + (f" (vocab {a.vocab})" if a.vocab else ""),
+              "params": count_params(model_config(a.model, a.vocab)), "precision": "fp32", "zerompi_stage": 2,
               "repeats": a.repeats, "timing": "best of repeats, wall clock between barriers",
               "machine": machine_info(a.workdir), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes}
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes,
+              "checks": checks(results)}
+    if a.machine:
+        report["machine"]["name"] = a.machine
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
     if a.png:
         plot(report, a.png)
     print(f"wrote {a.out}" + (f" and {a.png}" if a.png else ""))
+
+
+def checks(results: list[dict]) -> dict:
+    """Issue 16's targets: zerompi at N=1 within 1.5x of torch.save/torch.load, and more
+    bytes per second at N=4 than at N=1."""
+    get = lambda system, n: next((r for r in results if r["system"] == system and r["n"] == n  # noqa: E731
+                                  and "error" not in r), None)
+    z1, z4, t1 = get("zerompi", 1), get("zerompi", 4), get("torch", 1)
+    out = {}
+    if z1 and t1:  # best of each, timed in separate jobs (minutes apart on a shared VM)
+        out["save_ratio_n1_vs_torch_job"] = z1["save_s"] / t1["save_s"]
+        out["load_ratio_n1_vs_torch_job"] = z1["load_s"] / t1["load_s"]
+    if z1 and z1.get("same_tensor_ratios"):  # interleaved with zerompi in one process: the fair one
+        med = lambda v: v[len(v) // 2]  # noqa: E731
+        out["save_ratio_n1_same_tensors_median"] = med(z1["same_tensor_ratios"]["save"])
+        out["load_ratio_n1_same_tensors_median"] = med(z1["same_tensor_ratios"]["load"])
+        out["within_1.5x_of_torch"] = max(out["save_ratio_n1_same_tensors_median"],
+                                          out["load_ratio_n1_same_tensors_median"]) <= 1.5
+    if z1 and z4:
+        out["save_gbs_n4_over_n1"] = z4["save_gbs"] / z1["save_gbs"]
+        out["load_gbs_n4_over_n1"] = z4["load_gbs"] / z1["load_gbs"]
+    return out
 
 
 def plot(report: dict, png: str) -> None:
@@ -259,7 +333,7 @@ def plot(report: dict, png: str) -> None:
 
     rows = [r for r in report["results"] if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
-    for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. sha256 verify)")):
+    for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. checksum verify)")):
         labels, agg, per = [], [], []
         for r in rows:
             if r.get(f"{key}_gbs") is None:
@@ -276,7 +350,8 @@ def plot(report: dict, png: str) -> None:
         ax.legend(fontsize=8)
     m = report["machine"]
     fig.suptitle(f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
-                 f"throughput — {m['cores']} cores {m['cpu']}, {m['ram_gib']} GiB, {m['disk']}", fontsize=9)
+                 f"throughput — {m.get('name', m['hostname'])}: {m['cores']} cores {m['cpu']}, "
+                 f"{m['ram_gib']} GiB, {m['disk']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -285,9 +360,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--driver", action="store_true")
     ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
-    ap.add_argument("--model", default="gpt-200m", help="GPT preset (gpt-200m, gpt-20m, small, tiny)")
+    ap.add_argument("--model", default="gpt2", help="GPT preset (gpt2, gpt-200m, gpt-20m, small, tiny)")
+    ap.add_argument("--vocab", type=int, default=64000,
+                    help="vocabulary size override (0 = the preset's); gpt2 + 64000 = 135.0M parameters")
+    ap.add_argument("--machine", default="", help='a name for the machine in the report, e.g. "vm"')
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/zerompi-ckbench/ck")
     ap.add_argument("--workdir", default="/tmp/zerompi-ckbench")
     ap.add_argument("--ds-python", default="", help="python that can import deepspeed (default: this one)")

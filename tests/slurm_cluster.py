@@ -468,3 +468,18 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+if __name__ == "__main__":
+    # A one-node cluster to try slurm/*.sbatch by hand (docs/quickstart.md):
+    #   sudo python tests/slurm_cluster.py      # prints the export line, runs until Ctrl-C
+    import sys
+
+    with SlurmCluster(keep=True) as c:
+        print(f"Slurm is up on {c.node} (state and logs in {c.workdir}). In another shell:\n"
+              f"  export SLURM_CONF={c.conf}\n  sinfo; sbatch slurm/cpu.sbatch; squeue\n"
+              "Ctrl-C stops every daemon and job of this cluster.", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            print("stopping", file=sys.stderr)

@@ -324,7 +324,7 @@ def test_damaged_checkpoints_fail_on_every_rank(base, tmp_path):
         assert len(errors) == 3 and all(e is not None for e in errors), (case, errors)
         assert all(needle in e for e in errors), (case, errors)
     msgs = {case: out["errors"][0] for case, out in zip(cases, res["runs"][0])}
-    assert "sha256 mismatch" in msgs["flipped"] and "holds" in msgs["flipped"]
+    assert "checksum (crc32) mismatch" in msgs["flipped"] and "holds" in msgs["flipped"]
     assert "truncated" in msgs["truncated"] and "missing" in msgs["missing"]
     assert "another model" in msgs["other-model"]
     # inspect --verify: exit status 1 and the file named, for every case
@@ -344,7 +344,7 @@ def test_damaged_checkpoint_uncaught_ends_the_job(base, tmp_path):
     res = run_mpi(3, [str(WORKERS / "ckpt_train.py"), "--out", str(tmp_path / "o.json"),
                       "--runs", str(tmp_path / "plan.json")], timeout=90, check=False)
     assert res.returncode != 0
-    assert "CheckpointError" in res.stdout and "rank-00001.h5: sha256 mismatch" in res.stdout, res.stdout[-3000:]
+    assert "CheckpointError" in res.stdout and "rank-00001.h5: checksum (crc32) mismatch" in res.stdout, res.stdout[-3000:]
 
 
 def test_interrupted_replacement_falls_back(base, tmp_path):
@@ -476,7 +476,10 @@ def test_export_round_trip(base, tmp_path, key):
                 if b > a else torch.empty(h["shape"], dtype=ref.dtype)
             assert torch.equal(st, ref), (dtype, name)
         extra = set(pt) - set(want)
-        assert extra == ({"mask"} if key == "s2" else set()), extra
+        aliases = json.loads((out / "export.json").read_text())["aliases"]
+        assert extra == ({"mask"} if key == "s2" else set()) | set(aliases), extra
+        for alias, target in aliases.items():  # tied names share one storage in model.pt
+            assert pt[alias].data_ptr() == pt[target].data_ptr()
         try:  # the reference reader, when installed, agrees with the hand-written format
             from safetensors.torch import load_file
         except ImportError:

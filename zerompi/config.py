@@ -341,6 +341,12 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
         data = json.loads(json.dumps(source, default=_plain))
     else:
         data = read_file(source)
+    if cls is ZeroConfig and not isinstance(source, cls):
+        from . import ds_config
+
+        if ds_config.looks_like_deepspeed(data):  # a DeepSpeed JSON config: translate it
+            data = ds_config.zero_config_dict(data, f"DeepSpeed config {os.fspath(source)}"
+                                              if isinstance(source, (str, os.PathLike)) else "DeepSpeed config")
     if overrides:
         if not isinstance(overrides, Mapping):
             overrides = parse_overrides(overrides)

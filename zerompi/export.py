@@ -2,10 +2,12 @@
 
     python -m zerompi.export CKPT OUT [--dtype fp32|bf16] [--format torch|safetensors|both]
 
-CKPT: DIR/TAG or DIR (then DIR/latest). OUT: a directory; it receives model.safetensors
-and/or model.pt (a torch.save'd {name: tensor} dict) plus export.json (source, step,
-names, shapes, tied-parameter aliases). Keys are those of model.named_parameters()
-(tied parameters once, as engine.full_state_dict()) followed by persistent buffers.
+CKPT: DIR/TAG or DIR (then DIR/latest), e.g. runs/tiny/checkpoints. OUT: a directory;
+it receives model.safetensors and model.pt (a torch.save'd {name: tensor} dict; one of
+them with --format safetensors|torch) plus export.json (source, step, names, shapes,
+tied-parameter aliases). Keys are those of model.state_dict(): the parameters, tied ones
+under every name (model.pt shares one storage between them, model.safetensors holds a
+copy), then persistent buffers, so `model.load_state_dict(sd, strict=True)` works.
 
 Memory. safetensors is written by hand (8-byte little-endian header length, JSON
 header, raw little-endian bytes) and streamed: one tensor's values are assembled from
@@ -51,6 +53,12 @@ def plan(m: dict, dtype: str) -> list[dict]:
     for name, t in m["tensors"].items():
         out.append({"name": name, "shape": list(t["shape"]), "st": "BF16" if dtype == "bf16" else "F32",
                     "src": "param"})
+    # A tied parameter is stored once; its other names (lm_head.weight -> wte.weight)
+    # come back so that load_state_dict(strict=True) into the same model works.
+    shapes = {it["name"]: it for it in out}
+    for alias, target in m.get("aliases", {}).items():
+        if target in shapes:
+            out.append(dict(shapes[target], name=alias, src="param", alias_of=target))
     for name, t in m.get("module_tensors", {}).items():
         np_name = np.dtype(t["dtype"]).name
         st = _ST_DTYPES.get(np_name)
@@ -65,7 +73,7 @@ def plan(m: dict, dtype: str) -> list[dict]:
 def _tensor_bytes(reader: PieceReader, m: dict, item: dict) -> np.ndarray:
     """The tensor's bytes in its output dtype (the only large allocation)."""
     if item["src"] == "param":
-        vals = reader.read("param", item["name"], 0, _numel(item["shape"]))
+        vals = reader.read("param", item.get("alias_of", item["name"]), 0, _numel(item["shape"]))
     else:
         vals = np.ascontiguousarray(reader.module_tensor(item["name"])).ravel()
     if item["st"] == "BF16":
@@ -103,8 +111,9 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
         return json.loads(f.read(n)), 8 + n
 
 
-def write_torch(path: str, st_path: str) -> None:
-    """torch.save a {name: tensor} dict whose tensors are views of an mmap of st_path."""
+def write_torch(path: str, st_path: str, aliases: dict | None = None) -> None:
+    """torch.save a {name: tensor} dict whose tensors are views of an mmap of st_path;
+    each alias shares its target's storage (safetensors cannot share, so it holds a copy)."""
     import torch
 
     tdt = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -124,6 +133,9 @@ def write_torch(path: str, st_path: str) -> None:
                 t = torch.frombuffer(mm, dtype=tdt[h["dtype"]], count=(b - a) // _ITEMSIZE[h["dtype"]],
                                      offset=base + a) if b > a else torch.empty(0, dtype=tdt[h["dtype"]])
                 sd[name] = t.view(h["shape"])
+            for alias, target in (aliases or {}).items():
+                if alias in sd and target in sd:
+                    sd[alias] = sd[target]  # tied: one storage in model.pt, as in the model
         with atomic_file(path) as f:
             torch.save(sd, f)
             sd, t = None, None  # drop the views so the mapping can close
@@ -134,7 +146,7 @@ def write_torch(path: str, st_path: str) -> None:
             pass
 
 
-def export(ckpt_path: str, out: str, dtype: str = "fp32", fmt_: str = "safetensors",
+def export(ckpt_path: str, out: str, dtype: str = "fp32", fmt_: str = "both",
            tag: str | None = None, verify: bool = True) -> list[str]:
     ckpt = resolve(ckpt_path, tag)
     if ckpt is None:
@@ -153,7 +165,7 @@ def export(ckpt_path: str, out: str, dtype: str = "fp32", fmt_: str = "safetenso
     if fmt_ in ("torch", "both"):
         pt = os.path.join(out, "model.pt")
         try:
-            write_torch(pt, st_path)
+            write_torch(pt, st_path, m.get("aliases", {}))
         finally:
             if fmt_ == "torch":
                 os.unlink(st_path)
@@ -170,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="output directory")
     ap.add_argument("--tag")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--format", choices=("torch", "safetensors", "both"), default="safetensors")
+    ap.add_argument("--format", choices=("torch", "safetensors", "both"), default="both",
+                    help="both (default): model.safetensors and model.pt")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 pass")
     a = ap.parse_args(argv)
     try:

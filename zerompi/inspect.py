@@ -72,7 +72,7 @@ def summary(ckpt: str, m: dict, out=sys.stdout) -> None:
     p(f"files ({len(files)}, {human(sum(i['size'] for _, i in files))}):")
     for name, info in files:
         extra = f"  {info['elements']} values per kind" if "elements" in info else ""
-        p(f"  {name:<16}{info['size']:>14} B  {human(info['size']):>10}  sha256 {info['sha256'][:16]}…{extra}")
+        p(f"  {name:<16}{info['size']:>14} B  {human(info['size']):>10}  {(info.get('digest') or 'sha256:' + info['sha256'])[:24]}…{extra}")
     p("config:")
     for k, v in m["config"].items():
         p(f"  {k} = {json.dumps(v)}")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zerompi.inspect", description=__doc__.split("\n")[0])
     ap.add_argument("ckpt", help="checkpoint directory DIR/TAG, or DIR (uses DIR/latest)")
     ap.add_argument("--tag", help="tag inside DIR (default: DIR/latest)")
-    ap.add_argument("--verify", action="store_true", help="check sizes, sha256, coverage and structure")
+    ap.add_argument("--verify", action="store_true", help="check sizes, checksums, coverage and structure")
     ap.add_argument("--tensor", action="append", default=[], metavar="NAME", help="print statistics (repeatable)")
     ap.add_argument("--kind", default=None, help="state kind for --tensor (default: all)")
     a = ap.parse_args(argv)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         m = ver.verify_checkpoint(ckpt) if a.verify else ver.read_manifest(ckpt)
         summary(ckpt, m)
         if a.verify:
-            print(f"verify: OK ({len(ver.file_list(m))} files, sizes and sha256 match, every tensor complete)")
+            print(f"verify: OK ({len(ver.file_list(m))} files, sizes and checksums match, every tensor complete)")
         else:
             problems = ver.check_files(ckpt, m, hash_share=None)
             for msg in problems:

@@ -23,7 +23,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a dependency of the package; only a hand-made install lacks it
+        raise ValueError("matplotlib is not installed: pip install matplotlib "
+                         "(or reinstall zerompi: bash install.sh)") from None
 
     matplotlib.use("Agg")  # no display on cluster nodes
     import matplotlib.pyplot as plt

@@ -79,10 +79,14 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
             rank = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
     except Exception:
         pass
-    try:
-        msg = "".join(traceback.format_exception(exc_type, exc, tb))
-    except Exception:  # a broken __str__ must not cost the report
-        msg = f"{getattr(exc_type, '__name__', exc_type)} (traceback could not be formatted)\n"
+    code = 130 if exc_type is KeyboardInterrupt else 1
+    if getattr(exc, "user_error", False):  # bad input (data_check.DataError): the message says it all
+        msg, code = f"zerompi: error: {exc}", 2
+    else:
+        try:
+            msg = "".join(traceback.format_exception(exc_type, exc, tb))
+        except Exception:  # a broken __str__ must not cost the report
+            msg = f"{getattr(exc_type, '__name__', exc_type)} (traceback could not be formatted)\n"
     text = "".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n"))
     for f in (sys.stdout, sys.stderr):  # earlier output first, in order
         try:
@@ -90,7 +94,6 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
         except Exception:
             pass
     _write_all(2, text.encode("utf-8", "replace"))
-    code = 130 if exc_type is KeyboardInterrupt else 1
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
                 and MPI.COMM_WORLD.Get_size() > 1:

@@ -10,7 +10,8 @@ Slurm (inside an sbatch script; one task per rank, or per GPU):
 
 Settings are TrainConfig fields (zerompi/train_config.py; `--help` lists them all):
 `--config FILE` (TOML or JSON), then `--key value` or `key=value` overrides, dotted for
-nested tables: `--max_steps 50 zero.stage=2 --zero.optimizer.lr 3e-4`.
+nested tables: `--max_steps 50 zero.stage=2 --zero.optimizer.lr 3e-4`. A DeepSpeed
+config works too: `--deepspeed_config ds_config.json` (docs/migrating-from-deepspeed.md).
 
 Outputs in run_dir: config.json, metrics.jsonl (one JSON object per step; plot it with
 `python -m zerompi.plot RUN_DIR`), checkpoints/ (every checkpoint_interval steps, at the
@@ -20,9 +21,9 @@ checkpoint, so re-running the same command is always safe.
 Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs)
-    124  stopped by SIGUSR1 or SIGTERM after writing a checkpoint: requeue the job,
-         e.g. `#SBATCH --signal=USR1@120` plus, in the batch script,
-         `srun ... ; [ $? -eq 124 ] && scontrol requeue $SLURM_JOB_ID`
+    124  stopped by SIGUSR1 or SIGTERM after writing a checkpoint: requeue the job, as
+         slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch shell, which
+         relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
     1    anything else (one rank's exception aborts the whole job, see runtime.py)
 """
 from __future__ import annotations
@@ -42,11 +43,13 @@ import zerompi
 
 from . import comm, runtime, train_config
 from .config import ConfigError, to_dict
-from .data import TokenSampler, default_corpus, open_tokens, split_tokens
+from .data import TokenSampler, default_corpus, split_tokens
+from .data_check import CheckedSampler, open_agreed
 from .fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
+from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
 
@@ -89,14 +92,6 @@ def _threads_per_rank(local_ranks: int) -> int:
         return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, usable // local_ranks if usable == os.cpu_count() else usable)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if n < 1024:
-            return f"{n:.1f}MB" if unit == "MB" else f"{n:.0f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GB"
 
 
 def _trim_metrics(path: Path, upto: int) -> None:
@@ -172,47 +167,6 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
     return loss_total / rows_total
 
 
-class Progress:
-    """Rank 0's output: every step to metrics.jsonl, every log_interval-th step (and evals
-    and the last) to a tqdm bar or a printed line. Other ranks get a silent one."""
-
-    def __init__(self, cfg, metrics_path: Path, start_step: int, mfu_label: str, active: bool):
-        self.cfg, self.mfu_label, self.active, self.bar = cfg, mfu_label, active, None
-        self.show = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
-        self.file = open(metrics_path, "a", buffering=1) if active else None
-        if active and self.show == "bar":
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-
-    def update(self, rec: dict) -> None:
-        if not self.active:
-            return
-        self.file.write(json.dumps(rec) + "\n")
-        if self.bar is not None:
-            self.bar.update(1)
-        step, val = rec["step"], rec.get("val_loss")
-        if step % self.cfg.log_interval and step != self.cfg.max_steps and val is None:
-            return
-        mem = f" rss {_fmt_bytes(rec['rss'])} states {_fmt_bytes(rec['model_state_bytes'])}"
-        if self.bar is not None:
-            self.bar.set_postfix_str(
-                f"loss {rec['loss']:.4f}" + (f" val {val:.4f}" if val is not None else "")
-                + f" {rec['tokens_per_s']:,.0f} tok/s {self.mfu_label} {100 * rec['mfu']:.1f}%" + mem)
-        elif self.show == "lines":
-            print(f"step {step}/{self.cfg.max_steps} loss {rec['loss']:.4f}"
-                  + (f" val_loss {val:.4f}" if val is not None else "")
-                  + f" lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
-                  + f" {self.mfu_label} {100 * rec['mfu']:.2f}%" + mem, flush=True)
-
-    def close(self, message: str) -> None:
-        if self.active:
-            if self.bar is not None:
-                self.bar.close()
-            self.file.close()
-            print(f"zerompi.train: {message}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
@@ -238,10 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         if dims.rank == 0:
             default_corpus()  # build the cache once, not on every rank at the same time
         dims.world.barrier()  # sync: nobody opens the cache before it is complete
-    train_tokens, val_tokens = split_tokens(open_tokens(cfg.data), cfg.val_fraction)
-    T, B = cfg.seq_len, cfg.global_batch
-    train_data = TokenSampler(train_tokens, T, seed=cfg.seed)
-    val_data = TokenSampler(val_tokens, T, seed=cfg.seed) if cfg.eval_interval else None
+    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.gpt_config().vocab_size
+    spec = str(default_corpus()) if cfg.data == "default" else cfg.data
+    # Format, size and a sample of ids checked before any step; the rest as batches are read.
+    tokens = open_agreed(spec, V, T, cfg.val_fraction, bool(cfg.eval_interval), dims.world)
+    if tokens is None:
+        return EXIT_USAGE
+    train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
+    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec)
+    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
 
     # ---------------------------------------------------------------- model and engine
     gpt_cfg = cfg.model.gpt_config()
@@ -284,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
               + (f"resumed at step {start_step}" if start_step else "starting at step 0")
               + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
                  "GFLOP/s per rank (set peak_flops)"), flush=True)
+        note = batch_note(B, G, dims.dp_size)
+        if note:
+            print(f"zerompi.train: {note}", flush=True)
     dims.world.barrier()  # sync: run_dir exists before anyone writes to it
     progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
 
@@ -340,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
             return EXIT_STOPPED
 
-    progress.close(f"done, {cfg.max_steps} steps in {time.perf_counter() - t_start:.1f}s")
+    progress.close(finish_message(cfg.max_steps, start_step, time.perf_counter() - t_start))
     return EXIT_OK
 
 

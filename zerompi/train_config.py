@@ -70,7 +70,8 @@ class TrainConfig:
     """Tokens per training sequence; 0 = the model's context length (must be <= it)."""
     global_batch: int = 32
     """Sequences per optimizer step, summed over all ranks and micro-steps
-    (zero.gradient_accumulation_steps micro-steps per step)."""
+    (zero.gradient_accumulation_steps micro-steps per step). Need not divide by the
+    ranks: uneven rows are exact (losses weighted by rows), and rank 0 prints a note."""
     max_steps: int = 1000
     """Optimizer steps of the whole run (a resumed run continues up to this)."""
     warmup_steps: int = 100
@@ -84,8 +85,8 @@ class TrainConfig:
     eval_batches: int = 8
     """Validation batches of global_batch sequences each (capped at one pass over the split)."""
     log_interval: int = 10
-    """Refresh the progress bar / print a line every this many steps (metrics.jsonl
-    gets every step)."""
+    """With progress = lines: print a line at step 1 and every this many steps (and at
+    evaluations and the last step); metrics.jsonl gets every step."""
     checkpoint_interval: int = 200
     """Checkpoint every this many steps and at the end; 0 = only at the end and on signals."""
     keep_last: int = 3
@@ -105,7 +106,9 @@ class TrainConfig:
     """Peak FLOP/s of one rank, for the MFU estimate; 0 = a rough CPU guess
     (threads x 100 GFLOP/s), so set it on GPUs (H100 SXM dense bf16: 989e12)."""
     progress: str = "auto"
-    """auto (a tqdm bar on a terminal, plain lines otherwise) | bar | lines | none."""
+    """auto | bar | lines | none. auto: rank 0 draws a bar with ETA and tokens/s when its
+    stdout reaches a terminal (also through mpiexec), else prints plain lines with the
+    time left (Slurm logs, pipes); see zerompi/progress.py."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
@@ -152,23 +155,33 @@ def load(source: "str | os.PathLike | dict | None" = None,
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:
-    """`--config FILE` (or config=FILE) plus `--key value` / `key=value` overrides."""
+    """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json` (its
+    settings replace the zero table's and global_batch), then `--key value` / `key=value`
+    overrides."""
     argv = list(argv)
-    source = None
+    files = {"config": None, "deepspeed_config": None}
     rest = []
     i = 0
     while i < len(argv):
         tok = argv[i]
-        if tok in ("--config", "-c"):
+        name = "config" if tok == "-c" else tok.lstrip("-").split("=", 1)[0]
+        if name in files and (tok.startswith("--") or tok == "-c" or "=" in tok):
+            if "=" in tok:
+                files[name], i = tok.split("=", 1)[1], i + 1
+                continue
             if i + 1 >= len(argv):
-                raise ValueError("--config needs a file name")
-            source, i = argv[i + 1], i + 2
+                raise ValueError(f"--{name} needs a file name")
+            files[name], i = argv[i + 1], i + 2
             continue
-        if tok.startswith("--config=") or tok.startswith("config="):
-            source = tok.split("=", 1)[1]
-        else:
-            rest.append(tok)
+        rest.append(tok)
         i += 1
+    source = files["config"]
+    if files["deepspeed_config"]:
+        from . import ds_config
+
+        base = config.read_file(source) if source else {}
+        source = ds_config.merge_into_train_config(base, config.read_file(files["deepspeed_config"]),
+                                                   f"DeepSpeed config {files['deepspeed_config']}")
     return load(source, parse_overrides(rest))
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -109,9 +112,63 @@ def sha256_file(path: str) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def fsync_and_hash(path: str) -> tuple[str, int]:
-    """fsync a freshly written file while hashing it: the flush to disk and the sha256
-    pass (CPU, from the page cache) overlap; both release the GIL."""
+# File checksums: CRC-32 of every 64 MiB block (zlib: ~2 GB/s per core here, vs ~0.5-0.9
+# GB/s for sha256), the blocks on parallel threads. It guards against corruption
+# (flipped bits, torn or replaced blocks), not against tampering; the manifest keeps its
+# own sha256. Files of checkpoints that recorded "sha256" are still checked with it.
+DIGEST_ALGO = "crc32/64MiB"
+_DIGEST_BLOCK = 64 << 20
+
+
+def hash_threads(ranks_here: int = 1) -> int:
+    """Threads for one rank's checksum pass: this machine's CPUs shared by its ranks."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // max(1, ranks_here)))
+
+
+def digest_file(path: str, threads: int = 1) -> tuple[str, int]:
+    """("crc32/64MiB:<crc of each block, hex>", size). os.preadv and zlib.crc32 release
+    the GIL, so `threads` blocks are read and summed at once."""
+    size = os.path.getsize(path)
+    nblocks = -(-size // _DIGEST_BLOCK)
+    local = threading.local()
+    fd = os.open(path, os.O_RDONLY)
+
+    def crc(i: int) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(_DIGEST_BLOCK)
+        want = min(_DIGEST_BLOCK, size - i * _DIGEST_BLOCK)
+        view, got = memoryview(buf)[:want], 0
+        while got < want:
+            k = os.preadv(fd, [view[got:]], i * _DIGEST_BLOCK + got)
+            if k == 0:
+                raise OSError(f"{path}: shorter than {size} bytes while reading")
+            got += k
+        return zlib.crc32(view)
+
+    try:
+        if threads > 1 and nblocks > 1:
+            with ThreadPoolExecutor(min(threads, nblocks)) as ex:
+                crcs = list(ex.map(crc, range(nblocks)))
+        else:
+            crcs = [crc(i) for i in range(nblocks)]
+    finally:
+        os.close(fd)
+    return f"{DIGEST_ALGO}:" + "".join(f"{c:08x}" for c in crcs), size
+
+
+def file_matches(path: str, info: dict, threads: int = 1) -> tuple[bool, str]:
+    """(matches, algorithm name) against a manifest entry: "digest", or "sha256" of
+    checkpoints written before the block checksums."""
+    if "digest" in info:
+        return digest_file(path, threads)[0] == info["digest"], "crc32"
+    return sha256_file(path)[0] == info["sha256"], "sha256"
+
+
+def fsync_and_hash(path: str, threads: int = 1) -> tuple[str, int]:
+    """fsync a freshly written file while checksumming it: the flush to disk and the
+    checksum pass (CPU, from the page cache) overlap; both release the GIL."""
     errors: list[BaseException] = []
 
     def sync() -> None:
@@ -123,7 +180,7 @@ def fsync_and_hash(path: str) -> tuple[str, int]:
     t = threading.Thread(target=sync, name="zerompi-fsync")
     t.start()
     try:
-        result = sha256_file(path)
+        result = digest_file(path, threads)
     finally:
         t.join()
     if errors:

@@ -2,7 +2,7 @@
 
 1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
 2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
-3. each rank writes rank-XXXXX.h5, then fsyncs and hashes it (sha256) at once;
+3. each rank writes rank-XXXXX.h5, then fsyncs and checksums it (format.digest_file) at once;
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
 5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
@@ -55,7 +55,7 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
         if id(p) in first and first[id(p)] != name:
             aliases[name] = first[id(p)]
         first.setdefault(id(p), name)
-    files = {fmt.rank_file(r): {"rank": r, "size": i["size"], "sha256": i["sha256"],
+    files = {fmt.rank_file(r): {"rank": r, "size": i["size"], "digest": i["digest"],
                                 "elements": i["elements"]} for r, i in enumerate(infos)}
     cfg = engine.config
     return {
@@ -108,7 +108,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     try:
         path = os.path.join(tmp, fmt.rank_file(rank))
         info = write_rank_file(path, engine, tag, lowp)
-        info["sha256"], info["size"] = fmt.fsync_and_hash(path)
+        info["digest"], info["size"] = fmt.fsync_and_hash(path, fmt.hash_threads(min(comm.size, os.cpu_count() or 1)))
     except Exception as e:  # disk full, permissions... : every rank must hear of it
         err = f"{fmt.rank_file(rank)}: {type(e).__name__}: {e}"
     try:
@@ -129,7 +129,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
             index_path = os.path.join(tmp, fmt.INDEX)
             write_index(index_path, manifest)
             digest, size = fmt.fsync_and_hash(index_path)
-            manifest["index"] = {"file": fmt.INDEX, "size": size, "sha256": digest}
+            manifest["index"] = {"file": fmt.INDEX, "size": size, "digest": digest}
             atomic_write(os.path.join(tmp, fmt.MANIFEST), json.dumps(fmt.seal(manifest), indent=1))
             dirs.publish(directory, tmp, tag)
         except Exception as e:
@@ -138,7 +138,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
         else:
             try:  # housekeeping: the checkpoint is already published, so only warn
                 dirs.cleanup(directory)
-                dirs.rotate(directory, keep_last, tag)
+                dirs.rotate(directory, keep_last, tag, background=True)
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
     fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's publish outcome

@@ -1,7 +1,8 @@
 """Checks that make a damaged checkpoint fail loudly instead of loading zeros.
 
 - the manifest parses and its own checksum matches (format.unseal);
-- every listed file exists with the recorded size and sha256;
+- every listed file exists with the recorded size and checksum (CRC-32 per 64 MiB block;
+  sha256 in older checkpoints);
 - the pieces of every tensor tile [0, numel) exactly (no gap, no overlap);
 - the tensor names and shapes are those of the model being loaded.
 Each function returns a list of messages naming the file (and the tensors it holds), so
@@ -53,7 +54,8 @@ def file_list(manifest: dict) -> list[tuple[str, dict]]:
     return sorted(manifest["files"].items()) + [(fmt.INDEX, manifest["index"])]
 
 
-def check_files(ckpt: str, manifest: dict, hash_share: tuple[int, int] | None = (0, 1)) -> list[str]:
+def check_files(ckpt: str, manifest: dict, hash_share: tuple[int, int] | None = (0, 1),
+                threads: int | None = None) -> list[str]:
     """Existence and size of every file; sha256 of the files in this caller's share
     (file i when i % size == rank; None = no hashing). Sizes are checked by every caller
     because they are free, hashes once per file across the ranks."""
@@ -74,12 +76,12 @@ def check_files(ckpt: str, manifest: dict, hash_share: tuple[int, int] | None = 
             continue
         if hash_share is not None and i % hash_share[1] == hash_share[0]:
             try:
-                digest, _ = fmt.sha256_file(path)
+                ok, algo = fmt.file_matches(path, info, threads or fmt.hash_threads(hash_share[1]))
             except OSError as e:
                 errors.append(f"{path}: cannot read ({e})")
                 continue
-            if digest != info["sha256"]:
-                errors.append(f"{path}: sha256 mismatch, the file is corrupt{what}")
+            if not ok:
+                errors.append(f"{path}: checksum ({algo}) mismatch, the file is corrupt{what}")
     return errors
 
 

@@ -309,8 +309,8 @@ class ZeroEngine:
 
         return checkpoint.load(self, directory, tag=tag)
 
-    def export_state(self) -> dict:
-        return state_io.export_state(self)
+    def export_state(self, views: bool = False) -> dict:
+        return state_io.export_state(self, views)
 
     def needed_pieces(self) -> list[tuple[str, tuple, int, int]]:
         return state_io.needed_pieces(self)

@@ -24,18 +24,21 @@ def _pieces(engine, segments) -> list[tuple[str, tuple, int, int]]:
              s.param_lo + s.length) for s in segments]
 
 
-def export_state(engine) -> dict:
+def export_state(engine, views: bool = False) -> dict:
     """This rank's share of the training state: {"pieces": [(name, shape, lo, hi)],
     "tensors": {kind: fp32 vector}} where piece j's values are
     tensors[kind][off_j : off_j + hi - lo] (offsets cumulative), plus "steps"
-    {name: AdamW step}, "param_groups", "scaler", "counters"."""
+    {name: AdamW step}, "param_groups", "scaler", "counters". views=True gives
+    {kind: [piece j's values]} instead: views of the engine's own buffers, no copy
+    (the checkpoint writer streams them to disk; a concatenation of a large shard
+    would cost seconds of page faults)."""
     segs = _exporting_segments(engine)
     cols: dict[str, list] = {kind: [] for kind in STATE_KINDS}
     for s in segs:
         master, _, exp_avg, exp_avg_sq, _ = engine.state.views(s.shard_lo, s.flat_lo, s.length)
         for kind, t in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
-            cols[kind].append(t.float())
-    tensors = {kind: torch.cat(ts) if ts else torch.empty(0) for kind, ts in cols.items()}
+            cols[kind].append(t.detach().float())
+    tensors = cols if views else {kind: torch.cat(ts) if ts else torch.empty(0) for kind, ts in cols.items()}
     opt = engine.optimizer
     return {"pieces": _pieces(engine, segs), "tensors": tensors,
             "steps": {n: opt.steps[i] for i, n in enumerate(engine.param_names)},
