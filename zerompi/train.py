@@ -20,9 +20,12 @@ checkpoint, so re-running the same command is always safe.
 Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs)
-    124  stopped by SIGUSR1 or SIGTERM after writing a checkpoint: requeue the job,
+    124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue the job,
          e.g. `#SBATCH --signal=USR1@120` plus, in the batch script,
          `srun ... ; [ $? -eq 124 ] && scontrol requeue $SLURM_JOB_ID`
+    3    a collective wait passed its deadline (zero.comm.timeout_s; the message names the
+         rank, the collective, the step and the ranks that did not arrive)
+    128+N  signal N arrived while a rank was blocked (or a second SIGINT): no checkpoint
     1    anything else (one rank's exception aborts the whole job, see runtime.py)
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 
 import zerompi
 
-from . import comm, runtime, train_config
+from . import comm, runtime, train_config, watchdog
 from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, open_tokens, split_tokens
 from .fileio import atomic_write
@@ -49,16 +52,6 @@ from .optim import decay_groups
 from .parallel.dims import ParallelDims
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
-
-# Set by SIGUSR1/SIGTERM. The handler does nothing else: MPI and torch are not
-# async-signal-safe, so the loop acts on the flag between steps, on every rank together.
-_stop_signal = 0
-
-
-def _on_signal(signum, frame) -> None:
-    global _stop_signal
-    _stop_signal = signum
-
 
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up to zero.optimizer.lr, then cosine down to min_lr."""
@@ -214,8 +207,9 @@ class Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGUSR1, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    # SIGUSR1/SIGTERM/SIGINT set a flag the loop acts on between steps, on every rank
+    # together; a rank blocked in a collective is ended by the watchdog instead.
+    watchdog.install_stop_signals()
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
@@ -318,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         # MAX over the world makes one rank's stop signal everyone's, so all checkpoint
         # and exit together.
         (total,) = dims.dp.allreduce_scalars([loss_sum])
-        sig, rss = dims.world.allreduce_scalars([float(_stop_signal), float(_rss_bytes())], op="max")
+        sig, rss = dims.world.allreduce_scalars([float(watchdog.stop_signal()), float(_rss_bytes())], op="max")
+        if sig:
+            watchdog.stop_agreed()  # the ranks still talk: checkpoint with normal deadlines
         dt = time.perf_counter() - t0
         done = step + 1  # steps completed; metrics and checkpoints are keyed by it
         last = done == cfg.max_steps

@@ -65,6 +65,16 @@ def _rng_state() -> dict:
             "python": json.dumps([version, list(internal), gauss_next])}
 
 
+def _first_nonfinite(vals: torch.Tensor, pieces: list) -> str | None:
+    """Name of the first parameter whose piece holds inf/nan (one pass, at save time)."""
+    if bool(torch.isfinite(vals).all()):
+        return None
+    for name, _, lo, hi, off in pieces:
+        if not bool(torch.isfinite(vals[off:off + hi - lo]).all()):
+            return name
+    return "?"
+
+
 def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
     """Write this rank's file (the caller fsyncs and hashes it). Returns what the manifest needs:
     {"pieces": [(name, shape, lo, hi, offset)], "elements": n, "module": {...}}."""
@@ -87,6 +97,10 @@ def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
             vals = t.detach().to(torch.float32).contiguous()
             if vals.numel() != off:
                 raise RuntimeError(f"export_state: {kind} has {vals.numel()} values for {off} piece elements")
+            bad = _first_nonfinite(vals, pieces)
+            if bad:  # a diverged state must never replace (and then rotate away) a good one
+                raise FloatingPointError(f"refusing to checkpoint a diverged state: {kind} of {bad} "
+                                         "holds inf/nan")
             g.create_dataset(kind, data=vals.numpy(), shape=(off,), dtype="<f4")
             if kind == "param" and lowp:
                 # Rounded like the engine's own fp32 -> bf16/fp16 working copy (round to nearest).
