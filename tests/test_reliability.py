@@ -69,3 +69,34 @@ def test_sigterm_ends_a_blocked_job(tmp_path):
     while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(map(_gone, pids)), "a rank outlived its job"
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs: a real filesystem that really fills up (needs root)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_save_leaves_nothing_behind(small_fs, tmp_path):
+    """The filesystem fills up during the second save: every rank gets the error, which
+    names the file and the space needed; the first checkpoint stays, `latest` names it,
+    and no temporary directory is left."""
+    out = tmp_path / "out.json"
+    run_mpi(2, [str(WORKERS / "diskfull.py"), str(small_fs / "ck"), str(out)], timeout=90)
+    import json
+
+    res = json.loads(out.read_text())
+    assert all(e is not None for e in res["errors"]), res
+    msg = res["errors"][0]
+    assert "rank-0000" in msg and ".h5" in msg and "out of space" in msg and "MiB free there now" in msg, msg
+    assert "needs about" in msg and "the previous checkpoint is untouched" in msg
+    assert res["listing"] == ["a", "latest"], res["listing"]
+    assert res["latest"] == "a"

@@ -113,7 +113,7 @@ def read_latest(directory: str) -> str | None:
         return fmt.check_tag(raw.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(f"{path}: does not name a checkpoint tag "
-                              f"(content {raw[:60]!r}); pass tag= explicitly") from None
+                              f"(content {raw[:60]!r}); pass tag= (python -m zerompi.train: --resume_from TAG)") from None
 
 
 def resolve(path: str, tag: str | None = None) -> str | None:
@@ -132,7 +132,7 @@ def resolve(path: str, tag: str | None = None) -> str | None:
             if any(os.path.isfile(os.path.join(path, e, fmt.MANIFEST)) for e in os.listdir(path)
                    if not e.startswith(".")):
                 raise CheckpointError(f"{os.path.join(path, fmt.LATEST)}: missing, but {path} "
-                                      "holds checkpoints; pass tag= explicitly")
+                                      "holds checkpoints; pass tag= (python -m zerompi.train: --resume_from TAG)")
             return None
         where = f"{os.path.join(path, fmt.LATEST)} names {tag!r}, but"
     else:

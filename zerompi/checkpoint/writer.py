@@ -65,6 +65,15 @@ def _rng_state() -> dict:
             "python": json.dumps([version, list(internal), gauss_next])}
 
 
+def rank_file_bytes(engine, lowp: str | None) -> int:
+    """About how many bytes this rank's file takes (for out-of-space messages)."""
+    from ..zero.state_io import STATE_KINDS, _exporting_segments
+
+    elements = sum(s.length for s in _exporting_segments(engine))
+    extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(engine)) if engine.comm.rank == 0 else 0
+    return elements * (4 * len(STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
+
+
 def _first_nonfinite(vals: torch.Tensor, pieces: list) -> str | None:
     """Name of the first parameter whose piece holds inf/nan (one pass, at save time)."""
     if bool(torch.isfinite(vals).all()):
