@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mpirun import WORKERS, mpi_env, run_mpi
+from mpirun import WORKERS, launch, mpi_env, run_mpi
 
 HANG = str(WORKERS / "hang.py")
 
@@ -100,3 +100,167 @@ def test_disk_full_during_save_leaves_nothing_behind(small_fs, tmp_path):
     assert "needs about" in msg and "the previous checkpoint is untouched" in msg
     assert res["listing"] == ["a", "latest"], res["listing"]
     assert res["latest"] == "a"
+
+
+# ---------------------------------------------------------------------------- the train CLI
+TRAIN = [sys.executable, "-m", "zerompi.train"]
+FAST = ["--model.preset", "tiny", "--global_batch", "4", "--max_steps", "4", "--warmup_steps", "1",
+        "--lr_decay_steps", "20", "--eval_interval", "0", "--checkpoint_interval", "1", "--keep_last", "0",
+        "--log_interval", "1", "--progress", "lines", "--zero.stage", "2", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from zerompi.data import default_corpus
+
+    return str(default_corpus(tmp_path_factory.mktemp("cache"), max_bytes=100_000))
+
+
+def train(run_dir, corpus, *extra, n=2, timeout=60, env=None, prefix=()):
+    """`mpiexec -n N python -m zerompi.train` with stdout and stderr apart."""
+    return launch(["mpiexec", "-n", str(n)] + list(prefix) + TRAIN + FAST
+                  + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra),
+                  timeout, env=env, stderr_apart=True)
+
+
+def one_error(res, code, needle):
+    """Exit `code` and the error as one line from rank 0, no traceback."""
+    assert res.returncode == code, (res.returncode, res.stdout[-2000:], res.stderr[-3000:])
+    assert "Traceback" not in res.stdout + res.stderr, res.stderr[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zerompi.train: error")]
+    assert len(lines) == 1 and needle in lines[0], res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, corpus):
+    """4 steps, a checkpoint after each (all kept)."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    res = train(run_dir, corpus)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"no checkpoint in {run_dir / 'checkpoints'}: starting a FRESH run" in res.stderr
+    return run_dir
+
+
+def copy_run(base_run, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(base_run, dst)
+    return dst
+
+
+def test_divergence_stops_and_the_newest_good_checkpoint_survives(base_run, corpus, tmp_path):
+    """Resume at lr 1e30: step 5 is finite but wrecks the weights, steps 6-8 are not
+    finite (each logged with its step), the job stops after 3 in a row (exit 4) without
+    checkpointing them, and keep_last=1 still left the step-4 checkpoint in place."""
+    run_dir = copy_run(base_run, tmp_path)
+    res = train(run_dir, corpus, "--max_steps", "30", "--keep_last", "1", "--zero.optimizer.lr", "1e30",
+                "--min_lr", "0")
+    one_error(res, 4, "3 steps in a row with a non-finite loss or gradient")
+    for s in (6, 7, 8):
+        assert f"zerompi: step {s}: non-finite gradient norm ({s - 5} in a row)" in res.stderr, res.stderr[-3000:]
+    for s in (6, 7):  # step 8 stops the job before its checkpoint
+        assert f"step {s} was not finite: no checkpoint" in res.stderr
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_0000004", "step_0000005"], ckpts
+    from zerompi.checkpoint import verify_checkpoint
+
+    verify_checkpoint(run_dir / "checkpoints" / "step_0000004")
+
+
+def test_resume_mismatches(base_run, corpus, tmp_path):
+    """Another architecture with the same shapes is an error naming the key; changed
+    optimizer hyper-parameters are an error unless --override_optimizer (then logged);
+    a new max_steps is logged as a schedule change."""
+    run_dir = copy_run(base_run, tmp_path)
+    one_error(train(run_dir, corpus, "--model.n_head", "4", "--max_steps", "5"), 2,
+              "another model architecture: model n_head: checkpoint 2, config 4")
+    one_error(train(run_dir, corpus, "--zero.optimizer.weight_decay", "0.2", "--max_steps", "5"), 2,
+              "param group 0 weight_decay: checkpoint 0.01, config 0.2")
+    res = train(run_dir, corpus, "--zero.optimizer.weight_decay", "0.2", "--zero.optimizer.betas", "0.8,0.9",
+                "--override_optimizer", "true", "--max_steps", "5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "override_optimizer: using the config's optimizer hyper-parameters" in res.stderr
+    assert "weight_decay: checkpoint 0.01, config 0.2" in res.stderr and "betas: checkpoint (0.9, 0.999)" in res.stderr
+    assert "schedule changed since the checkpoint: max_steps 4 -> 5" in res.stderr
+    assert "resumed at step 4" in res.stdout
+
+
+def test_damaged_latest_falls_back_and_resume_from(base_run, corpus, tmp_path):
+    """The latest checkpoint is corrupt: the run resumes from the newest one that
+    verifies, saying so loudly; --resume_from picks one explicitly and never falls back."""
+    run_dir = copy_run(base_run, tmp_path)
+    ck = run_dir / "checkpoints"
+    victim = ck / "step_0000004" / "rank-00001.h5"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    res = train(run_dir, corpus, "--max_steps", "5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"WARNING: checkpoint {ck / 'step_0000004'} is damaged and is skipped" in res.stderr
+    assert "rank-00001.h5: sha256 mismatch" in res.stderr
+    assert f"RESUMING FROM AN OLDER CHECKPOINT, {ck / 'step_0000003'}" in res.stderr
+    assert "resumed at step 3" in res.stdout
+
+    run2 = copy_run(base_run, tmp_path / "b")
+    res = train(run2, corpus, "--max_steps", "5", "--resume_from", "step_0000002")
+    assert res.returncode == 0 and "resumed at step 2" in res.stdout, res.stderr[-3000:]
+    res = train(run2, corpus, "--max_steps", "5", "--resume_from", str(run2 / "checkpoints" / "step_0000001"))
+    assert res.returncode == 0 and "resumed at step 1" in res.stdout, res.stderr[-3000:]
+    one_error(train(run2, corpus, "--resume_from", "step_9"), 2,
+              "--resume_from step_9: no checkpoint there nor in")
+    (run2 / "checkpoints" / "step_0000003" / "rank-00000.h5").unlink()
+    one_error(train(run2, corpus, "--max_steps", "5", "--resume_from", "step_0000003"), 2,
+              "--resume_from step_0000003: cannot load checkpoint")
+
+
+def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path):
+    """Job A runs; job B on the same run_dir fails at once (exit 5) naming A's host and
+    pid; A is not disturbed. A lock left by a dead process, or by an earlier run of the
+    same Slurm job (a requeue), is taken over."""
+    import json
+    import socket
+
+    run_dir = tmp_path / "run"
+    cmd = ["mpiexec", "-n", "2"] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir),
+                                                   "--max_steps", "100000", "--checkpoint_interval", "0"]
+    a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (run_dir / "metrics.jsonl").exists():
+            assert a.poll() is None and time.monotonic() - t0 < 60, "job A ended early"
+            time.sleep(0.05)
+        holder = json.loads((run_dir / ".lock").read_text())
+        b = train(run_dir, corpus, timeout=30)
+        one_error(b, 5, f"is in use by another job (host {socket.gethostname()}, pid {holder['pid']}")
+        assert b.elapsed < 15, b.elapsed
+        assert a.poll() is None  # A runs on
+        a.send_signal(signal.SIGUSR1)  # A checkpoints and ends (exit 124), releasing the lock
+        out, _ = a.communicate(timeout=60)
+        assert a.returncode == 124, out[-3000:]
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.communicate()
+    assert not (run_dir / ".lock").exists()
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = {"host": socket.gethostname(), "pid": dead.pid, "start": "1", "slurm_job_id": None,
+            "slurm_restart_count": 0, "since": "earlier"}
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    res = train(run_dir, corpus, "--max_steps", "1", "--resume", "false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"took over the lock of host {socket.gethostname()}, pid {dead.pid}" in res.stderr
+    assert "its process is gone" in res.stderr
+
+    lock = dict(lock, host="node-elsewhere", pid=1, slurm_job_id="4242", slurm_restart_count=0)
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    res = train(run_dir, corpus, "--max_steps", "1", "--resume", "false", env={"SLURM_JOB_ID": "4242",
+                                                                              "SLURM_RESTART_COUNT": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "an earlier run of this Slurm job (requeued)" in res.stderr
+    lock["slurm_job_id"] = "5000"  # another job, on another host, heartbeat fresh: busy
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    one_error(train(run_dir, corpus, "--max_steps", "1"), 5, "host node-elsewhere, pid 1, Slurm job 5000")
