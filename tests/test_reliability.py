@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -264,3 +265,109 @@ def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path)
     lock["slurm_job_id"] = "5000"  # another job, on another host, heartbeat fresh: busy
     (run_dir / ".lock").write_text(json.dumps(lock))
     one_error(train(run_dir, corpus, "--max_steps", "1"), 5, "host node-elsewhere, pid 1, Slurm job 5000")
+
+
+def _only_rank1(tmp_path, script):
+    """MPMD prefix pieces: rank 1 runs in its own mount namespace after `script` (a
+    directory or file that rank 0 sees differently: node-local disks, a missing mount)."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -m needs root")
+    wrapper = tmp_path / "rank1.sh"
+    wrapper.write_text(f"#!/bin/sh\nset -e\n{script}\nexec \"$@\"\n")
+    wrapper.chmod(0o755)
+    return ["unshare", "-m", "--propagation", "private", str(wrapper)]
+
+
+def mpmd(run_dir, corpus, rank1_prefix, *extra, timeout=60):
+    argv = TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra)
+    return launch(["mpiexec", "-n", "1"] + argv + [":", "-n", "1"] + rank1_prefix + argv, timeout,
+                  stderr_apart=True)
+
+
+def test_checkpoint_rank_0_sees_but_rank_1_does_not(base_run, corpus, tmp_path):
+    """Rank 1's view of the checkpoints folder is an empty tmpfs (as a node-local disk
+    or a missing mount would be): the job fails at once naming rank 1, no hang."""
+    run_dir = copy_run(base_run, tmp_path)
+    prefix = _only_rank1(tmp_path, f"mount -t tmpfs tmpfs {run_dir / 'checkpoints'}")
+    res = mpmd(run_dir, corpus, prefix, "--max_steps", "5")
+    one_error(res, 2, f"rank 1 cannot see checkpoint {run_dir / 'checkpoints' / 'step_0000004'}, "
+                      "which rank 0 chose: is the run directory on a filesystem every node mounts?")
+
+
+def test_ranks_reading_different_data_are_stopped(corpus, tmp_path):
+    """Same --data path, other content on rank 1 (a stale per-node copy): the
+    fingerprints differ, the job stops before training, naming rank 1 and the value."""
+    other = tmp_path / "other.bin"
+    data = bytearray(open(corpus, "rb").read())
+    data[len(data) // 3] ^= 1  # one token differs, in a sampled window
+    other.write_bytes(bytes(data))
+    prefix = _only_rank1(tmp_path, f"mount --bind {other} {corpus}")
+    res = mpmd(tmp_path / "run", corpus, prefix)
+    one_error(res, 2, "rank 1 has a different data set than rank 0: train.sha256 = ")
+
+
+def test_uneven_step_counts_end_with_the_ranks_named(tmp_path):
+    """A user loop where rank 1 takes one step more than rank 0 (which then idles):
+    rank 1's watchdog says where each rank is instead of hanging."""
+    r = run_mpi(2, [HANG, "uneven", "2"], timeout=60, module=False, check=False)
+    assert r.returncode == 3, r.stdout[-3000:]
+    assert "[rank 1] zerompi watchdog:" in r.stdout and "at step 6" in r.stdout, r.stdout[-3000:]
+    assert "rank 0 is not in a collective at step 6" in r.stdout, r.stdout[-3000:]
+
+
+def test_first_sigint_checkpoints_like_sigterm(corpus, tmp_path):
+    """Ctrl-C (mpiexec forwards one SIGINT to every rank) on a healthy job: the ranks
+    agree, checkpoint and exit 124, as for SIGTERM; no traceback."""
+    run_dir = tmp_path / "run"
+    cmd = ["mpiexec", "-n", "2"] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir),
+                                                   "--max_steps", "100000", "--checkpoint_interval", "0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 3):
+            assert p.poll() is None and time.monotonic() - t0 < 60, "ended early"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 124, out[-3000:]
+    assert "SIGINT received: checkpoint of step" in out and "Traceback" not in out, out[-3000:]
+    assert any(c.name.startswith("step_") for c in (run_dir / "checkpoints").iterdir())
+
+
+def test_dead_jobs_shared_memory_is_removed_at_start(corpus, tmp_path):
+    """An old MPICH segment that no process maps (what a SIGKILLed job leaves) is removed
+    by the next job on the node; one a live process maps, or a brand-new one, is left
+    alone (checked in a private folder: other jobs on this machine clean /dev/shm too)."""
+    import mmap
+
+    from zerompi.rundir import clean_dead_shm
+
+    old = time.time() - 600
+    for name in ("mpich_shm_dead_0", "mpich_shm_live_0", "mpich_shm_new_0", "other_0"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "mpich_shm_new_0":
+            os.utime(tmp_path / name, (old, old))
+    fd = os.open(tmp_path / "mpich_shm_live_0", os.O_RDWR)
+    m = mmap.mmap(fd, 4096)
+    try:
+        assert clean_dead_shm(str(tmp_path)) == ["mpich_shm_dead_0"]
+    finally:
+        m.close()
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_live_0", "mpich_shm_new_0", "other_0"]
+
+    dead = Path(f"/dev/shm/mpich_shm_zerompitest_{os.getpid()}_0")
+    dead.write_bytes(b"\0" * 4096)
+    os.utime(dead, (old, old))
+    try:
+        res = train(tmp_path / "run", corpus, "--max_steps", "1")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not dead.exists()
+        assert "shared-memory segment(s) of dead jobs from /dev/shm" in res.stderr
+    finally:
+        dead.unlink(missing_ok=True)

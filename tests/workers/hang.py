@@ -3,6 +3,7 @@ zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
 
 stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the
   others block in the next collective until the watchdog's deadline.
+uneven: rank 1 takes 6 steps, rank 0 5 and then idles.
 wait: every rank writes its pid to PIDFILE.<rank>, trains, and rank N-1 stops itself at
   step 3; the test then signals mpiexec (SIGTERM to a blocked job).
 """
@@ -30,8 +31,9 @@ if mode == "wait":
         f.write(str(os.getpid()))
 engine = zerompi.initialize(model, cfg)
 x = torch.randn(4, 8)
-for step in range(100000):
-    if rank == size - 1 and step == 3:
+steps = 100000 if mode != "uneven" else 5 + (rank == 1)
+for step in range(steps):
+    if rank == size - 1 and step == 3 and mode != "uneven":
         print(f"rank {rank} stopping itself at step {step}", flush=True)
         if mode == "wait":
             open(f"{sys.argv[3]}.stopped", "w").close()
@@ -44,3 +46,5 @@ for step in range(100000):
         break
     time.sleep(0.01)
 print(f"rank {rank}: loop ended", flush=True)
+if mode == "uneven":
+    time.sleep(60)  # rank 0 does something else; rank 1 waits in its extra step
