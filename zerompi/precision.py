@@ -50,7 +50,9 @@ class NonFinitePolicy:
         if self.precision != "fp16" and self.max and self.streak >= self.max:
             raise Diverged(f"step {step}: {self.streak} steps in a row with a non-finite loss or gradient "
                            f"({self.precision}): training has diverged (zero.max_nonfinite_steps = "
-                           f"{self.max}); resume from the last checkpoint with a lower learning rate")
+                           f"{self.max}); its last finite step {step - self.streak} may have produced the "
+                           f"bad weights: resume from a checkpoint of step {step - self.streak - 1} or earlier "
+                           "(train: --resume_from TAG) with a lower learning rate")
 
 
 class StaticLossScaler:
