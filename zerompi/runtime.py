@@ -155,6 +155,21 @@ class JobError(Exception):
     exit_code = 1
 
 
+def one_line_job_errors(prog: str):
+    """Decorator for a job's main(): a JobError (raised by every rank together) becomes
+    one line from rank 0 and its exit code, instead of a traceback per rank."""
+    def wrap(fn):
+        def main(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except JobError as e:
+                if mpi().COMM_WORLD.Get_rank() == 0:
+                    print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+                return e.exit_code
+        return main
+    return wrap
+
+
 def first_difference(a: Any, b: Any, key: str = "") -> tuple[str, Any, Any] | None:
     """(dotted key, a's value, b's value) of the first place where two nested
     dicts/lists differ, or None when they are equal."""

@@ -20,18 +20,14 @@ checkpoint, so re-running the same command is always safe.
 Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs), or a resume
-         that does not fit: another architecture, changed optimizer hyper-parameters
-         (--override_optimizer true), no checkpoint that verifies, ranks that see
-         different data or checkpoints
+         or data set that does not fit (docs/reliability.md)
     124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue the job,
          e.g. `#SBATCH --signal=USR1@120` plus, in the batch script,
          `srun ... ; [ $? -eq 124 ] && scontrol requeue $SLURM_JOB_ID`
-    3    a collective wait passed its deadline (zero.comm.timeout_s; the message names the
-         rank, the collective, the step and the ranks that did not arrive)
-    128+N  signal N arrived while a rank was blocked (or a second SIGINT): no checkpoint
-    4    diverged: zero.max_nonfinite_steps steps in a row were not finite (fp16: overflow
-         at the minimum loss scale); no checkpoint is written past the last finite step
-    5    run_dir is in use by another job (the message names its host, pid, Slurm job)
+    3    a collective wait passed zero.comm.timeout_s (the ranks that did not arrive named)
+    4    diverged: zero.max_nonfinite_steps non-finite steps in a row (no checkpoint of them)
+    5    run_dir is in use by another job (named)
+    128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint
     1    anything else (one rank's exception aborts the whole job, see runtime.py)
 """
 from __future__ import annotations
@@ -50,9 +46,9 @@ import torch
 import zerompi
 
 from . import comm, rundir, runtime, train_config, watchdog
-from .checkpoint.resume import ResumeError, check_train_changes, resume
+from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
 from .config import ConfigError, to_dict
-from .data import TokenSampler, default_corpus, fingerprint, open_tokens, split_tokens
+from .data import TokenSampler, default_corpus, open_tokens, split_tokens
 from .fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
@@ -137,17 +133,6 @@ def _agreed_config(argv: list[str]):
     return None if errors else cfg
 
 
-def _data_state(cfg, tokens=None) -> dict:
-    """What the data order depends on besides the step: saved in checkpoints, checked on resume."""
-    state = {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch, "block_size": cfg.seq_len}
-    return dict(state, fingerprint=fingerprint(tokens)) if tokens is not None else state
-
-
-def _model_state(gpt_cfg) -> dict:
-    """The architecture (saved in checkpoints; a resume with another one is an error)."""
-    return {k: getattr(gpt_cfg, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")}
-
-
 def save(engine, ckpt_dir: Path, cfg, step: int, data: dict, model: dict) -> None:
     """Checkpoint after `step` steps. The sampler is a pure function of (seed, step), so the
     step *is* the data position; keep_last rotates old checkpoints once the new one is in place,
@@ -212,10 +197,6 @@ class Progress:
                   + f" lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
                   + f" {self.mfu_label} {100 * rec['mfu']:.2f}%" + mem, flush=True)
 
-    def note(self, message: str) -> None:
-        if self.active:
-            print(f"zerompi.train: {message}", file=sys.stderr, flush=True)
-
     def close(self, message: str) -> None:
         if self.active:
             if self.bar is not None:
@@ -224,18 +205,8 @@ class Progress:
             print(f"zerompi.train: {message}", flush=True)
 
 
+@runtime.one_line_job_errors("zerompi.train")  # diverged, busy run_dir, resume that does not fit
 def main(argv: list[str] | None = None) -> int:
-    """The job; an error every rank raised together (runtime.JobError: a diverged run, a busy
-    run directory, a checkpoint that does not fit) ends it with one line and its exit code."""
-    try:
-        return _main(argv)
-    except runtime.JobError as e:
-        if runtime.mpi().COMM_WORLD.Get_rank() == 0:
-            print(f"zerompi.train: error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-
-
-def _main(argv: list[str] | None = None) -> int:
     # SIGUSR1/SIGTERM/SIGINT set a flag the loop acts on between steps, on every rank
     # together; a rank blocked in a collective is ended by the watchdog instead.
     watchdog.install_stop_signals()
@@ -262,12 +233,8 @@ def _main(argv: list[str] | None = None) -> int:
             default_corpus()  # build the cache once, not on every rank at the same time
         dims.world.barrier()  # sync: nobody opens the cache before it is complete
     train_tokens, val_tokens = split_tokens(open_tokens(cfg.data), cfg.val_fraction)
-    # sync: every rank must read the same tokens (per-rank files that differ go silently wrong)
-    data_state = _data_state(cfg, train_tokens)
-    differ = runtime.same_everywhere(dims.world, {"train": data_state["fingerprint"],
-                                                  "val": fingerprint(val_tokens)}, "data set")
-    if differ:
-        raise ResumeError(differ[0] + f" (--data {cfg.data} must be the same file for every rank)")
+    # sync: fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
+    data_state = agreed_data_state(dims.world, cfg, train_tokens, val_tokens)
     T, B = cfg.seq_len, cfg.global_batch
     train_data = TokenSampler(train_tokens, T, seed=cfg.seed)
     val_data = TokenSampler(val_tokens, T, seed=cfg.seed) if cfg.eval_interval else None
@@ -293,10 +260,10 @@ def _main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- resume
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
-    lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir; raises if busy
+    rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
-    check_train_changes(dims.world, client, to_dict(cfg), _model_state(gpt_cfg), data_state)
+    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state)
     start_step = int(client["step"]) if client else 0
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -363,19 +330,16 @@ def _main(argv: list[str] | None = None) -> int:
 
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
-                progress.note(f"step {done} was not finite: no checkpoint")
+                if dims.rank == 0:
+                    print(f"zerompi.train: step {done} was not finite: no checkpoint", file=sys.stderr, flush=True)
             else:
-                save(engine, ckpt_dir, cfg, done, data_state, _model_state(gpt_cfg))  # sync: collective
+                save(engine, ckpt_dir, cfg, done, data_state, model_state(gpt_cfg))  # sync: collective
         if sig and not last:
             progress.close(f"{signal.Signals(int(sig)).name} received: checkpoint of step {done} "
                            f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
-            if lock:
-                lock.release()
             return EXIT_STOPPED
 
     progress.close(f"done, {cfg.max_steps} steps in {time.perf_counter() - t_start:.1f}s")
-    if lock:
-        lock.release()
     return EXIT_OK
 
 

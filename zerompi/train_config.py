@@ -89,7 +89,8 @@ class TrainConfig:
     checkpoint_interval: int = 200
     """Checkpoint every this many steps and at the end; 0 = only at the end and on signals."""
     keep_last: int = 3
-    """Checkpoints kept in run_dir/checkpoints (older ones are deleted); 0 = keep all."""
+    """Checkpoints kept in run_dir/checkpoints (older ones are deleted); 0 = keep all. At
+    least 2 are kept: the newest is known good only once a later step was finite."""
     run_dir: str = "runs/default"
     """metrics.jsonl, config.json and checkpoints/ go here; a run restarted with the same
     run_dir resumes from its latest checkpoint."""

@@ -28,7 +28,6 @@ has one main thread that can block, whatever the communicators.
 from __future__ import annotations
 
 import atexit
-import os
 import select
 import signal
 import socket
@@ -55,10 +54,12 @@ class _State:
     progress = None            # callable -> (step, first step done)
     stop_sig = 0               # first stop signal seen by the Python handler
     stop_at: float | None = None   # when the thread learnt of SIGTERM/SIGINT
+    stop_at_sig = 0                # ... and which
     sigints = 0
     agreed = False             # the ranks agreed to stop: normal deadlines again
     thread: threading.Thread | None = None
     wake_r: socket.socket | None = None
+    wake_w: socket.socket | None = None
     closing = False
 
 
@@ -157,7 +158,7 @@ def install_stop_signals() -> None:
     for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _on_signal)
     signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-    S._wake_w = w  # keep the write end open
+    S.wake_w = w  # keep the write end open
     if S.thread is None:
         _start()
 
@@ -243,7 +244,7 @@ def _loop() -> None:
 
 def _thread_signal(signum: int) -> None:
     if signum in (signal.SIGTERM, signal.SIGINT) and S.stop_at is None:
-        S.stop_at = time.monotonic()
+        S.stop_at, S.stop_at_sig = time.monotonic(), signum
     if signum == signal.SIGINT:
         S.sigints += 1
         if S.sigints >= 2:
@@ -261,7 +262,7 @@ def _check() -> None:
     at = (f" at step {step}" if step is not None else "") + (f" during {S.label}" if S.label else "")
     if limit > 0 and now - since > limit:
         _expire(f"{op}{at} not complete after {limit:g} s (zero.comm.{key})", EXIT_TIMEOUT, op, step)
-    sig = S.stop_sig or (signal.SIGTERM if S.stop_at is not None else 0)
+    sig = S.stop_at_sig  # the main thread's handler may not have run yet: it is blocked
     if S.stop_at is not None and not S.agreed and S.stop_grace_s > 0 \
             and now - max(since, S.stop_at) > S.stop_grace_s:
         name = signal.Signals(sig).name

@@ -170,3 +170,22 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
     if changed:
         _say(world, "WARNING: resuming with different " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in changed)
              + " than the checkpoint: the data order will not match an uninterrupted run")
+
+
+def model_state(gpt_cfg) -> dict:
+    """The train CLI's architecture record (saved in checkpoints)."""
+    return {k: getattr(gpt_cfg, k) for k in ARCHITECTURE}
+
+
+def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
+    """What the data order depends on besides the step (saved in checkpoints, compared on
+    resume), after checking that every rank reads the same tokens (collective)."""
+    from ..data import fingerprint
+
+    state = {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch,
+             "block_size": cfg.seq_len, "fingerprint": fingerprint(train_tokens)}
+    differ = runtime.same_everywhere(world, {"train": state["fingerprint"], "val": fingerprint(val_tokens)},
+                                     "data set")
+    if differ:
+        raise ResumeError(differ[0] + f" (--data {cfg.data} must be the same tokens on every rank)")
+    return state

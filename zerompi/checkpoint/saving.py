@@ -32,7 +32,6 @@ from .. import runtime
 from ..fileio import atomic_write
 from . import directory as dirs
 from . import format as fmt
-from .format import CheckpointError
 from .index import write_index
 from .verify import check_coverage
 from .writer import model_tensors, rank_file_bytes, write_rank_file
