@@ -371,3 +371,29 @@ def test_dead_jobs_shared_memory_is_removed_at_start(corpus, tmp_path):
         assert "shared-memory segment(s) of dead jobs from /dev/shm" in res.stderr
     finally:
         dead.unlink(missing_ok=True)
+
+
+def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
+    """After a save, cleanup removes the temporary directory of a dead process or of
+    unknown owner (a crash before marking), never one whose owner still runs (another
+    job's save in progress)."""
+    import json
+    import socket
+
+    from zerompi.checkpoint.directory import OWNER, cleanup
+    from zerompi.rundir import _start_time
+
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        for name, pid in ((".tmp-a-live", live.pid), (".tmp-b-dead", dead.pid), (".tmp-c-unmarked", None)):
+            (tmp_path / name).mkdir()
+            if pid:
+                (tmp_path / name / OWNER).write_text(json.dumps(
+                    {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid) or "gone"}))
+        cleanup(str(tmp_path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-a-live"]
+    finally:
+        live.kill()
+        live.wait()

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
-    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state)
+    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
+                        {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
     start_step = int(client["step"]) if client else 0
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

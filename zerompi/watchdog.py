@@ -28,6 +28,7 @@ has one main thread that can block, whatever the communicators.
 from __future__ import annotations
 
 import atexit
+import os
 import select
 import signal
 import socket
@@ -176,9 +177,12 @@ def stop_agreed() -> None:
 
 # ---------------------------------------------------------------- the thread
 def _mpi():
+    """mpi4py.MPI if this thread may call MPI now: initialised, not finalised, and at
+    MPI_THREAD_MULTIPLE (mpi4py's default; at a lower level the watchdog only aborts)."""
     MPI = sys.modules.get("mpi4py.MPI")
     try:
-        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
+                and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             return MPI
     except Exception:
         pass
@@ -316,7 +320,7 @@ def _expire(what: str, code: int, op: str | None = None, step: int | None = None
     from . import runtime
 
     MPI = _mpi()
-    rank = MPI.COMM_WORLD.Get_rank() if MPI else 0
+    rank = MPI.COMM_WORLD.Get_rank() if MPI else os.environ.get("PMI_RANK", "?")
     detail = ""
     if MPI is not None and op is not None and MPI.COMM_WORLD.Get_size() > 1:
         try:

@@ -153,9 +153,16 @@ SCHEDULE = ("max_steps", "warmup_steps", "lr_decay_steps", "min_lr", "zero.optim
 DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
 
 
-def check_train_changes(world, client: dict | None, config: dict, model: dict, data: dict) -> None:
-    """`python -m zerompi.train`'s resume checks against what save() stored: another
-    architecture is an error naming the key; schedule and data changes are logged."""
+def check_train_changes(world, client: dict | None, config: dict, model: dict, data: dict,
+                        counts: dict) -> None:
+    """`python -m zerompi.train`'s start checks (collective): the per-step counts that
+    drive collectives (`counts`, plus the start step) agree across ranks; against what
+    save() stored, another architecture is an error naming the key, schedule and data
+    changes are logged."""
+    counts = dict(counts, start_step=int(client["step"]) if client else 0)
+    differ = runtime.same_everywhere(world, counts, "step plan")
+    if differ:
+        raise ResumeError(differ[0])
     if not client:
         return
     arch = compare(client.get("model", {}), model, ARCHITECTURE)

@@ -112,6 +112,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
+            dirs.mark_owner(tmp)
             umask = os.umask(0o022)
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide it from teammates
