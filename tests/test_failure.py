@@ -30,7 +30,7 @@ def test_error_inside_forward_or_backward_aborts_everyone(mode):
 @pytest.mark.parametrize("mode,needle", [
     ("bad-config", "config key 'optimizer.lr' = -1.0"),
     ("bad-config-one-rank", "config key 'gradient_clipping' = 'lots'"),
-    ("different-config", "rank 1 has a different config than rank 0 (keys: stage)"),
+    ("different-config", "rank 1 has a different config than rank 0: stage = 1 (rank 0: 2)"),
     ("different-model", "rank 2 has a different model than rank 0"),
 ])
 def test_bad_input_gives_clear_error_without_hanging(mode, needle):

@@ -99,8 +99,22 @@ class CommConfig:
     reduce_scatter: str = "ordered"
     """ordered: alltoall + sum in rank order, bitwise independent of bucket size;
     native: the library's reduce-scatter (faster on some fabrics, order not fixed)."""
+    timeout_s: float = 300.0
+    """Deadline of every collective wait once the first optimizer step is done: a rank
+    still waiting after this names itself, the collective, the step and the ranks that did
+    not arrive, and ends the job (exit 3; zerompi/watchdog.py). 0 = no deadline."""
+    startup_timeout_s: float = 1200.0
+    """The same deadline before the first optimizer step (set-up, data caches, first
+    gathers) and for checkpoint save/load, where ranks wait for the slowest writer."""
+    stop_grace_s: float = 10.0
+    """After SIGTERM/SIGINT, a wait longer than this means the ranks cannot agree to
+    checkpoint: the job ends without one (exit 128 + signal). 0 = wait as long as the
+    deadlines above allow."""
 
     def __post_init__(self) -> None:
+        for k in ("timeout_s", "startup_timeout_s", "stop_grace_s"):
+            if not getattr(self, k) >= 0:
+                _fail(k, getattr(self, k), "must be >= 0 (0 = off)")
         if self.backend not in ("auto", "mpi", "nccl"):
             _fail("backend", self.backend, "must be one of auto, mpi, nccl")
         if self.reduce_scatter not in ("ordered", "native"):
@@ -176,6 +190,10 @@ class ZeroConfig:
     groups. Only 1 is accepted until tensor parallelism lands (issue 15)."""
     seed: int = 1234
     """Base seed; rank r seeds torch/numpy/random with seed + r."""
+    max_nonfinite_steps: int = 3
+    """fp32/bf16: stop (precision.Diverged) after this many optimizer steps in a row
+    whose loss or gradient was inf/nan (each is skipped and logged); 0 = never stop.
+    fp16 stops when it overflows at fp16.min_scale instead."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -196,6 +214,8 @@ class ZeroConfig:
             _fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             _fail("alignment", self.alignment, "must be a power of two")
+        if self.max_nonfinite_steps < 0:
+            _fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
         if self.tensor_parallel_size != 1:
             _fail("tensor_parallel_size", self.tensor_parallel_size,
                   "tensor parallelism is not implemented yet (issue 15); must be 1")

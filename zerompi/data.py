@@ -314,3 +314,14 @@ class TokenSampler:
         a, b = self.row_range(micro_step, rank, world, global_batch, grad_accum)
         w = (index * global_batch + np.arange(a, b, dtype=np.int64)) % self.num_windows()
         return self._gather(w * self.block_size)
+
+
+def fingerprint(tokens: Tokens, samples: int = 4, window: int = 4096) -> dict:
+    """Size and a hash of a few fixed windows: cheap at any size, and it tells apart the
+    per-rank files that differ (compared across ranks at start, stored in checkpoints)."""
+    n = len(tokens)
+    h = hashlib.sha256(str(n).encode())
+    for i in range(samples):
+        lo = (n - window) * i // max(1, samples - 1) if n > window else 0
+        h.update(np.ascontiguousarray(np.asarray(tokens[lo:lo + window])).tobytes())
+    return {"tokens": n, "sha256": h.hexdigest()[:16]}

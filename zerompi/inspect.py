@@ -1,7 +1,8 @@
 """Look into a zerompi checkpoint without MPI or torch.
 
-    python -m zerompi.inspect CKPT                 # summary, config, tensor tree, owners
-    python -m zerompi.inspect CKPT --verify        # + sizes, sha256, coverage, structure
+    python -m zerompi.inspect CKPT                 # verify (sizes, sha256, coverage, structure),
+                                                   # then summary, config, tensor tree, owners
+    python -m zerompi.inspect CKPT --no-verify     # skip the sha256 pass (big checkpoints)
     python -m zerompi.inspect CKPT --tensor emb.weight [--kind exp_avg]   # statistics
 
 CKPT is a checkpoint directory (DIR/TAG) or the directory above it (then DIR/latest).
@@ -124,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zerompi.inspect", description=__doc__.split("\n")[0])
     ap.add_argument("ckpt", help="checkpoint directory DIR/TAG, or DIR (uses DIR/latest)")
     ap.add_argument("--tag", help="tag inside DIR (default: DIR/latest)")
-    ap.add_argument("--verify", action="store_true", help="check sizes, checksums, coverage and structure")
+    ap.add_argument("--verify", action="store_true", default=True,
+                    help="check sizes, checksums, coverage and structure (the default)")
+    ap.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="skip verification: statistics of a damaged checkpoint may then show zeros")
     ap.add_argument("--tensor", action="append", default=[], metavar="NAME", help="print statistics (repeatable)")
     ap.add_argument("--kind", default=None, help="state kind for --tensor (default: all)")
     a = ap.parse_args(argv)
@@ -137,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.verify:
             print(f"verify: OK ({len(ver.file_list(m))} files, sizes and checksums match, every tensor complete)")
         else:
-            problems = ver.check_files(ckpt, m, hash_share=None)
+            problems = ver.check_files(ckpt, m, hash_share=None) + ver.check_coverage(m)
             for msg in problems:
                 print(f"WARNING: {msg}", file=sys.stderr)
+            print("verify: skipped (--no-verify): sha256 not checked", file=sys.stderr)
+            if problems and a.tensor:  # statistics of missing pieces would be zeros
+                raise CheckpointError("not printing --tensor statistics of a damaged checkpoint")
         if a.tensor:
             with PieceReader(ckpt, m) as reader:
                 for name in a.tensor:

@@ -9,11 +9,50 @@ ranks skip the same steps and keep the same scale.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .config import LossScaleConfig
+from .runtime import JobError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Diverged(JobError, FloatingPointError):
+    """Training stopped on every rank together: gradients stayed non-finite (or the fp16
+    loss scale collapsed). Raised at the same step on every rank (the decision comes
+    from the all-reduced norm), so callers may end the job cleanly without MPI_Abort."""
+
+    exit_code = 4
+
+
+class NonFinitePolicy:
+    """What happens when the global gradient norm is inf/nan. The update is skipped on
+    every rank; rank 0 logs it with the step every time; after `max_consecutive` skipped
+    steps in a row (fp32/bf16: nothing else will ever change) training stops with
+    Diverged. fp16 counts on the loss scale instead: overflows lower it, and overflowing
+    at fp16.min_scale stops (DynamicLossScaler)."""
+
+    def __init__(self, max_consecutive: int, precision: str, rank: int):
+        self.max, self.precision, self.rank = max_consecutive, precision, rank
+        self.streak = 0  # non-finite steps in a row; 0 after a finite one
+
+    def record(self, step: int, finite: bool, scale: float, new_scale: float) -> None:
+        if finite:
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.rank == 0:
+            what = (f"fp16 overflow, loss scale {scale:g} -> {new_scale:g}" if self.precision == "fp16"
+                    else f"non-finite gradient norm ({self.streak} in a row)")
+            print(f"zerompi: step {step}: {what}: update skipped", file=sys.stderr, flush=True)
+        if self.precision != "fp16" and self.max and self.streak >= self.max:
+            raise Diverged(f"step {step}: {self.streak} steps in a row with a non-finite loss or gradient "
+                           f"({self.precision}): training has diverged (zero.max_nonfinite_steps = "
+                           f"{self.max}); its last finite step {step - self.streak} may have produced the "
+                           f"bad weights: resume from a checkpoint of step {step - self.streak - 1} or earlier "
+                           "(train: --resume_from TAG) with a lower learning rate")
 
 
 class StaticLossScaler:
@@ -49,7 +88,7 @@ class DynamicLossScaler:
                 self.hysteresis_left -= 1
                 return
             if self.scale <= cfg.min_scale:
-                raise FloatingPointError(
+                raise Diverged(
                     f"fp16 gradients overflow (inf/nan) at the minimum loss scale "
                     f"fp16.min_scale={cfg.min_scale}: training has diverged")
             self.scale = max(self.scale / cfg.factor, cfg.min_scale)

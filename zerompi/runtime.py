@@ -70,8 +70,18 @@ def _drain(fd: int, seconds: float) -> None:
             return
         time.sleep(0.005)
 
+def _from_destructor(tb) -> bool:
+    """Cython reports an error inside a destructor (__dealloc__) through sys.excepthook
+    (PyErr_PrintEx), with that destructor as the outermost frame: such an error is
+    "ignored" by Python's rules and must not end the job. Seen: h5py releasing a file id
+    after a write failed with ENOSPC, at whatever moment the garbage collector ran."""
+    return tb is not None and tb.tb_frame.f_code.co_name.rsplit(".", 1)[-1] in ("__dealloc__", "_dealloc")
+
 
 def _abort_excepthook(exc_type, exc, tb) -> None:
+    if _from_destructor(tb):
+        sys.stderr.write(f"zerompi: ignored an error in a destructor: {exc_type.__name__}: {exc}\n")
+        return
     MPI = sys.modules.get("mpi4py.MPI")
     rank = ""
     try:
@@ -88,12 +98,20 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
         except Exception:  # a broken __str__ must not cost the report
             msg = f"{getattr(exc_type, '__name__', exc_type)} (traceback could not be formatted)\n"
     text = "".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n"))
+    abort(text, code)
+
+
+def abort(message: str, code: int = 1) -> None:
+    """Print `message` to stderr and end the whole job with exit status `code` (MPI_Abort
+    in a multi-rank job). Safe from any thread: the watchdog calls it while the main
+    thread is blocked in MPI."""
     for f in (sys.stdout, sys.stderr):  # earlier output first, in order
         try:
             f.flush()
         except Exception:
             pass
-    _write_all(2, text.encode("utf-8", "replace"))
+    _write_all(2, (message if message.endswith("\n") else message + "\n").encode("utf-8", "replace"))
+    MPI = sys.modules.get("mpi4py.MPI")
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
                 and MPI.COMM_WORLD.Get_size() > 1:
@@ -180,20 +198,70 @@ def raise_agreed(comm, errors=None, context: str = "", exc_type: type = ValueErr
     raise cls("\n  ".join([f"{head}{len(lines)} problems:"] + lines[:limit]) + more)
 
 
+class JobError(Exception):
+    """An error every rank raises at the same point, after agreeing on it (a diverged
+    run, a locked run directory, a checkpoint that does not fit): a caller can end the
+    job cleanly with `exit_code` and one message from rank 0, without MPI_Abort and
+    without a traceback per rank."""
+
+    exit_code = 1
+
+
+def one_line_job_errors(prog: str):
+    """Decorator for a job's main(): a JobError (raised by every rank together) becomes
+    one line from rank 0 and its exit code, instead of a traceback per rank."""
+    def wrap(fn):
+        def main(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except JobError as e:
+                if mpi().COMM_WORLD.Get_rank() == 0:
+                    print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+                return e.exit_code
+        return main
+    return wrap
+
+
+def first_difference(a: Any, b: Any, key: str = "") -> tuple[str, Any, Any] | None:
+    """(dotted key, a's value, b's value) of the first place where two nested
+    dicts/lists differ, or None when they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            d = first_difference(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{key}.{k}" if key else str(k))
+            if d:
+                return d
+        return None
+    return None if a == b else (key or "value", a, b)
+
+
+def same_everywhere(comm, value: Any, what: str) -> list[str]:
+    """Collective: one message per rank whose `value` (any picklable, e.g. a config dict,
+    a data fingerprint, a count) differs from rank 0's, naming the dotted key and both
+    values; the same list on every rank. The one check of things ranks must share."""
+    everyone = comm.allgather_object(value) if comm.size > 1 else [value]
+    out = []
+    for r, v in enumerate(everyone[1:], start=1):
+        d = first_difference(v, everyone[0])
+        if d:
+            k, mine, ref = d
+            out.append(f"rank {r} has a different {what} than rank 0: {k} = {mine!r} (rank 0: {ref!r})")
+    return out
+
+
 def check_same_everywhere(comm, config: dict, shapes: list) -> None:
     """Ranks with different configs or models would issue mismatched collectives (a hang
     or garbage): compare once at set-up (one pickled allgather) and raise on every rank,
-    naming the first differing rank and key or parameter."""
-    everyone = comm.allgather_object((config, shapes))
-    ref_cfg, ref_shapes = everyone[0]
-    for r, (cfg, shp) in enumerate(everyone):
-        if cfg != ref_cfg:
-            keys = sorted(k for k in cfg if cfg[k] != ref_cfg.get(k))
-            raise ValueError(f"rank {r} has a different config than rank 0 (keys: {', '.join(keys)})")
-        if shp != ref_shapes:
-            pad = [None] * (abs(len(shp) - len(ref_shapes)) + 1)
-            mine, ref = next((x, y) for x, y in zip(shp + pad, ref_shapes + pad) if x != y)
-            raise ValueError(f"rank {r} has a different model than rank 0: parameter {mine} vs {ref}")
+    naming the first differing rank, key and values, or parameter."""
+    problems = same_everywhere(comm, {"config": config, "model": [list(s) for s in shapes]}, "setup")
+    if problems:
+        msg = problems[0].replace("different setup", "different config", 1).replace(": config.", ": ", 1)
+        if ": model" in msg:
+            everyone = comm.allgather_object(shapes)
+            r = int(msg.split()[1])
+            pad = [None] * (abs(len(everyone[r]) - len(everyone[0])) + 1)
+            mine, ref = next((x, y) for x, y in zip(everyone[r] + pad, everyone[0] + pad) if x != y)
+            msg = f"rank {r} has a different model than rank 0: parameter {mine} vs {ref}"
+        raise ValueError(msg)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -210,7 +278,10 @@ def seed_everything(seed: int, rank: int) -> None:
 def local_rank(comm) -> tuple[int, int]:
     """(node-local rank, ranks on this node) from an MPI shared-memory split."""
     MPI = mpi()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    from .watchdog import waiting
+
+    with waiting("split_type"):
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
         return node.Get_rank(), node.Get_size()
     finally:

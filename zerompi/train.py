@@ -20,10 +20,15 @@ checkpoint, so re-running the same command is always safe.
 
 Exit codes:
     0    finished max_steps (or nothing left to do)
-    2    bad command line or config (message names the key; no rank hangs)
-    124  stopped by SIGUSR1 or SIGTERM after writing a checkpoint: requeue the job, as
-         slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch shell, which
-         relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
+    2    bad command line or config (message names the key; no rank hangs), or a resume
+         or data set that does not fit (docs/reliability.md)
+    124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue
+         the job, as slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch
+         shell, which relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
+    3    a collective wait passed zero.comm.timeout_s (the ranks that did not arrive named)
+    4    diverged: zero.max_nonfinite_steps non-finite steps in a row (no checkpoint of them)
+    5    run_dir is in use by another job (named)
+    128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint
     1    anything else (one rank's exception aborts the whole job, see runtime.py)
 """
 from __future__ import annotations
@@ -41,7 +46,8 @@ import torch
 
 import zerompi
 
-from . import comm, runtime, train_config
+from . import comm, rundir, runtime, train_config, watchdog
+from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
 from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, split_tokens
 from .data_check import CheckedSampler, open_agreed
@@ -52,16 +58,6 @@ from .parallel.dims import ParallelDims
 from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
-
-# Set by SIGUSR1/SIGTERM. The handler does nothing else: MPI and torch are not
-# async-signal-safe, so the loop acts on the flag between steps, on every rank together.
-_stop_signal = 0
-
-
-def _on_signal(signum, frame) -> None:
-    global _stop_signal
-    _stop_signal = signum
-
 
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up to zero.optimizer.lr, then cosine down to min_lr."""
@@ -132,17 +128,13 @@ def _agreed_config(argv: list[str]):
     return None if errors else cfg
 
 
-def _data_state(cfg) -> dict:
-    """What the data order depends on besides the step: saved in checkpoints, checked on resume."""
-    return {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch, "block_size": cfg.seq_len}
-
-
-def save(engine, ckpt_dir: Path, cfg, step: int) -> None:
+def save(engine, ckpt_dir: Path, cfg, step: int, data: dict, model: dict) -> None:
     """Checkpoint after `step` steps. The sampler is a pure function of (seed, step), so the
-    step *is* the data position; keep_last rotates old checkpoints once the new one is in place."""
-    engine.save_checkpoint(ckpt_dir, tag=f"step_{step:07d}", keep_last=cfg.keep_last or None,
+    step *is* the data position; keep_last rotates old checkpoints once the new one is in place,
+    keeping at least 2: the newest is not yet known good until a later step was finite."""
+    engine.save_checkpoint(ckpt_dir, tag=f"step_{step:07d}", keep_last=cfg.keep_last and max(cfg.keep_last, 2) or None,
                            client_state={"step": step, "tokens": step * cfg.global_batch * cfg.seq_len,
-                                         "data": _data_state(cfg), "config": to_dict(cfg)})
+                                         "data": data, "model": model, "config": to_dict(cfg)})
 
 
 def evaluate(engine, val_data, cfg, dims, device) -> float:
@@ -167,9 +159,11 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
     return loss_total / rows_total
 
 
+@runtime.one_line_job_errors("zerompi.train")  # diverged, busy run_dir, resume that does not fit
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGUSR1, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    # SIGUSR1/SIGTERM/SIGINT set a flag the loop acts on between steps, on every rank
+    # together; a rank blocked in a collective is ended by the watchdog instead.
+    watchdog.install_stop_signals()
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
@@ -199,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if tokens is None:
         return EXIT_USAGE
     train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
+    # sync: fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
+    data_state = agreed_data_state(dims.world, cfg, train_tokens, val_tokens)
     train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec)
     val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
 
@@ -223,14 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- resume
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
-    # sync: collective; None when the folder holds no checkpoint, raises if it is corrupt.
-    client = engine.load_checkpoint(ckpt_dir) if cfg.resume and ckpt_dir.is_dir() else None
+    rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
+    # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
+    client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
+    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
+                        {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
     start_step = int(client["step"]) if client else 0
-    saved = (client or {}).get("data", {})
-    changed = [k for k, v in _data_state(cfg).items() if k in saved and saved[k] != v]
-    if changed and dims.rank == 0:
-        print(f"warning: resuming with different {', '.join(changed)} than the checkpoint: "
-              "the data order will not match an uninterrupted run", file=sys.stderr)
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
@@ -280,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         # MAX over the world makes one rank's stop signal everyone's, so all checkpoint
         # and exit together.
         (total,) = dims.dp.allreduce_scalars([loss_sum])
-        sig, rss = dims.world.allreduce_scalars([float(_stop_signal), float(_rss_bytes())], op="max")
+        sig, rss = dims.world.allreduce_scalars([float(watchdog.stop_signal()), float(_rss_bytes())], op="max")
+        if sig:
+            watchdog.stop_agreed()  # the ranks still talk: checkpoint with normal deadlines
         dt = time.perf_counter() - t0
         done = step + 1  # steps completed; metrics and checkpoints are keyed by it
         last = done == cfg.max_steps
@@ -296,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.update(record)
 
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
-            save(engine, ckpt_dir, cfg, done)  # sync: collective, every rank writes its shard
+            if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
+                if dims.rank == 0:
+                    print(f"zerompi.train: step {done} was not finite: no checkpoint", file=sys.stderr, flush=True)
+            else:
+                save(engine, ckpt_dir, cfg, done, data_state, model_state(gpt_cfg))  # sync: collective
         if sig and not last:
             progress.close(f"{signal.Signals(int(sig)).name} received: checkpoint of step {done} "
                            f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")

@@ -90,12 +90,20 @@ class TrainConfig:
     checkpoint_interval: int = 200
     """Checkpoint every this many steps and at the end; 0 = only at the end and on signals."""
     keep_last: int = 3
-    """Checkpoints kept in run_dir/checkpoints (older ones are deleted); 0 = keep all."""
+    """Checkpoints kept in run_dir/checkpoints (older ones are deleted); 0 = keep all. At
+    least 2 are kept: the newest is known good only once a later step was finite."""
     run_dir: str = "runs/default"
     """metrics.jsonl, config.json and checkpoints/ go here; a run restarted with the same
     run_dir resumes from its latest checkpoint."""
     resume: bool = True
-    """Resume from run_dir's latest checkpoint if there is one."""
+    """Resume from run_dir's latest checkpoint if there is one (if it fails verification,
+    from the newest one that verifies, said loudly)."""
+    resume_from: str = ""
+    """Resume from this checkpoint instead: a tag in run_dir/checkpoints or a checkpoint
+    directory. Never falls back to another."""
+    override_optimizer: bool = False
+    """On resume, train on with this config's betas/eps/weight_decay where they differ
+    from the checkpoint's (logged); without it such a difference is an error."""
     seed: int = 1337
     """Model initialisation and data order (zero.seed drives per-rank RNG such as dropout)."""
     device: str = "cpu"

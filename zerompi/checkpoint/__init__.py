@@ -24,9 +24,11 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     DIR/latest at it; returns the checkpoint path. client_state must be JSON-serialisable
     (TypeError naming the key otherwise). keep_last=K keeps the K newest checkpoints in
     DIR and deletes older ones (never the one just written); None keeps everything."""
+    from ..watchdog import generous
     from .saving import save as _save
 
-    return _save(engine, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+    with generous("checkpoint save"):  # ranks wait for the slowest writer
+        return _save(engine, directory, tag=tag, client_state=client_state, keep_last=keep_last)
 
 
 def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict | None:
@@ -34,9 +36,11 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
     on all ranks together, whatever world size and stage it was saved with. Returns its
     client_state, or None when DIR holds no checkpoint. Raises CheckpointError, on every
     rank, for a missing, incomplete, corrupt or mismatched checkpoint."""
+    from ..watchdog import generous
     from .loading import load as _load
 
-    return _load(engine, directory, tag=tag, verify=verify)
+    with generous("checkpoint load"):  # ranks wait for the slowest hasher
+        return _load(engine, directory, tag=tag, verify=verify)
 
 
 def verify_checkpoint(path, tag: str | None = None) -> dict:

@@ -3,7 +3,8 @@
 DIR/
   latest                 one line: the tag of the newest complete checkpoint
   TAG/                   complete checkpoints (manifest.json, index.h5, rank-*.h5)
-  .tmp-TAG-XXXX/         a save in progress, or the remains of one that crashed
+  .tmp-TAG-XXXX/         a save in progress (.owner names its process), or the remains
+                         of one that crashed: cleanup() removes only those whose owner is gone
   .old-TAG-XXXX/         a checkpoint moved aside while TAG is being replaced
   .latest.XXXX.tmp       `latest` being replaced, or what a crash left of that
 
@@ -16,19 +17,28 @@ back to the newest complete .old-TAG-* (the previous checkpoint, intact).
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import threading
+import time
 
 from ..fileio import atomic_write, fsync_path
 from . import format as fmt
 from .format import CheckpointError
 
+OWNER = ".owner"
+OTHER_HOST_S = 6 * 3600  # a save on another host is taken for dead after this long
+
 
 def publish(directory: str, tmp: str, tag: str) -> str:
     """Move the finished tmp dir to DIR/TAG (replacing an older TAG), then point
     `latest` at it. Every step is durable before the next one starts."""
+    try:
+        os.unlink(os.path.join(tmp, OWNER))  # not part of the checkpoint
+    except FileNotFoundError:
+        pass
     fsync_path(tmp)
     final = os.path.join(directory, tag)
     old = None
@@ -48,16 +58,43 @@ def write_latest(directory: str, tag: str) -> None:
     atomic_write(os.path.join(directory, fmt.LATEST), tag + "\n")
 
 
+def mark_owner(tmp: str) -> None:
+    """Record who writes into a temporary checkpoint directory (host, pid, start time),
+    so that another job's cleanup leaves it alone while this process lives."""
+    from ..rundir import _me
+
+    with open(os.path.join(tmp, OWNER), "w") as f:
+        json.dump(_me(), f)
+
+
+def _owner_gone(path: str) -> bool:
+    """True when the process that made a temporary directory is gone: dead on this host,
+    silent for OTHER_HOST_S on another, or unknown (a crash left it before marking, or a
+    publish/rotation step that never marks)."""
+    from ..rundir import _me, _start_time
+
+    try:
+        with open(os.path.join(path, OWNER)) as f:
+            owner = json.load(f)
+        age = time.time() - os.stat(os.path.join(path, OWNER)).st_mtime
+    except (OSError, ValueError):
+        return True
+    if owner.get("host") != _me()["host"]:
+        return age > OTHER_HOST_S
+    return _start_time(owner.get("pid", -1)) != owner.get("start")
+
+
 def cleanup(directory: str) -> None:
-    """Remove what crashed saves left behind (called after a successful save only, so
-    an in-flight save of another job in the same DIR is not supported)."""
+    """Remove what crashed saves left behind (called after a successful save): only
+    temporary directories whose owner is gone, never another live job's save in progress."""
     for entry in os.listdir(directory):
         p = os.path.join(directory, entry)
-        if entry.startswith((fmt.TMP_PREFIX, fmt.OLD_PREFIX)) and os.path.isdir(p):
+        if entry.startswith((fmt.TMP_PREFIX, fmt.OLD_PREFIX)) and os.path.isdir(p) and _owner_gone(p):
             shutil.rmtree(p, ignore_errors=True)
         elif entry.startswith(f".{fmt.LATEST}.") and os.path.isfile(p):  # write_latest's temporary
             try:
-                os.unlink(p)
+                if time.time() - os.stat(p).st_mtime > 600:  # lives milliseconds unless crashed
+                    os.unlink(p)
             except OSError:
                 pass
 
@@ -120,7 +157,7 @@ def read_latest(directory: str) -> str | None:
         return fmt.check_tag(raw.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(f"{path}: does not name a checkpoint tag "
-                              f"(content {raw[:60]!r}); pass tag= explicitly") from None
+                              f"(content {raw[:60]!r}); pass tag= (python -m zerompi.train: --resume_from TAG)") from None
 
 
 def resolve(path: str, tag: str | None = None) -> str | None:
@@ -139,7 +176,7 @@ def resolve(path: str, tag: str | None = None) -> str | None:
             if any(os.path.isfile(os.path.join(path, e, fmt.MANIFEST)) for e in os.listdir(path)
                    if not e.startswith(".")):
                 raise CheckpointError(f"{os.path.join(path, fmt.LATEST)}: missing, but {path} "
-                                      "holds checkpoints; pass tag= explicitly")
+                                      "holds checkpoints; pass tag= (python -m zerompi.train: --resume_from TAG)")
             return None
         where = f"{os.path.join(path, fmt.LATEST)} names {tag!r}, but"
     else:

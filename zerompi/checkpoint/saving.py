@@ -16,6 +16,7 @@ else is CheckpointError.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -27,13 +28,13 @@ import warnings
 import h5py
 import torch
 
+from .. import runtime
 from ..fileio import atomic_write
 from . import directory as dirs
 from . import format as fmt
-from .format import CheckpointError
 from .index import write_index
 from .verify import check_coverage
-from .writer import model_tensors, write_rank_file
+from .writer import model_tensors, rank_file_bytes, write_rank_file
 
 _PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -74,6 +75,23 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
     }
 
 
+def _space_hint(e: Exception, path: str, engine, lowp: str | None) -> str:
+    """For a full disk (or a file-size limit): how much this rank's file needs and how
+    much the filesystem has free."""
+    text = str(e)
+    if not (getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            or "No space left" in text or "Disk quota" in text or "File too large" in text):
+        return ""
+    need = rank_file_bytes(engine, lowp)
+    try:
+        st = os.statvfs(os.path.dirname(path))
+        free = f", {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free there now"
+    except OSError:
+        free = ""
+    return (f" (out of space: this rank's file needs about {need / 2**20:.1f} MiB, "
+            f"{engine.comm.size} rank files about {engine.comm.size * need / 2**20:.1f} MiB{free})")
+
+
 def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
          keep_last: int | None = None) -> str:
     comm = engine.comm
@@ -94,6 +112,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
+            dirs.mark_owner(tmp)
             umask = os.umask(0o022)
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide it from teammates
@@ -105,18 +124,25 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
 
     lowp = fmt.lowp_kind(engine.config.precision)
     info, err = None, None
+    path = os.path.join(tmp, fmt.rank_file(rank))
     try:
-        path = os.path.join(tmp, fmt.rank_file(rank))
         info = write_rank_file(path, engine, tag, lowp)
         info["digest"], info["size"] = fmt.fsync_and_hash(path, fmt.hash_threads(min(comm.size, os.cpu_count() or 1)))
     except Exception as e:  # disk full, permissions... : every rank must hear of it
-        err = f"{fmt.rank_file(rank)}: {type(e).__name__}: {e}"
-    try:
-        fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")
-    except CheckpointError:
+        err = f"{path}: {type(e).__name__}: {e}" + _space_hint(e, path, engine, lowp)
+        try:
+            os.unlink(path)  # give the space back at once
+        except OSError:
+            pass
+    if runtime.agree(comm, err):
+        # Nobody raises before rank 0 has removed the temporary directory: an uncaught
+        # error on another rank aborts the job, which would kill rank 0 mid-cleanup and
+        # leave the partial checkpoint filling the disk.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        comm.barrier()
+        fmt.raise_agreed(comm, err, f"save_checkpoint to {target} (nothing was written; "
+                                    f"the previous checkpoint is untouched)")
     infos = comm.allgather_object(info)  # every rank file is durable from here on
 
     err = None

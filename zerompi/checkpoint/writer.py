@@ -99,6 +99,25 @@ def _stream(path: str, plan: list[tuple[int, list, torch.dtype | None]]) -> None
         os.close(fd)
 
 
+def rank_file_bytes(engine, lowp: str | None) -> int:
+    """About how many bytes this rank's file takes (for out-of-space messages)."""
+    from ..zero.state_io import STATE_KINDS, _exporting_segments
+
+    elements = sum(s.length for s in _exporting_segments(engine))
+    extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(engine)) if engine.comm.rank == 0 else 0
+    return elements * (4 * len(STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
+
+
+def _first_nonfinite(vals: torch.Tensor, pieces: list) -> str | None:
+    """Name of the first parameter whose piece holds inf/nan (one pass, at save time)."""
+    if bool(torch.isfinite(vals).all()):
+        return None
+    for name, _, lo, hi, off in pieces:
+        if not bool(torch.isfinite(vals[off:off + hi - lo]).all()):
+            return name
+    return "?"
+
+
 def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
     """Write this rank's file (the caller fsyncs and hashes it). Returns what the manifest needs:
     {"pieces": [(name, shape, lo, hi, offset)], "elements": n, "module": {...}}.
@@ -126,6 +145,11 @@ def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
             if sum(t.numel() for t in ts) != off:
                 raise RuntimeError(f"export_state: {kind} has {sum(t.numel() for t in ts)} values "
                                    f"for {off} piece elements")
+            if not all(bool(torch.isfinite(t).all()) for t in ts):
+                # a diverged state must never replace (and then rotate away) a good one
+                bad = _first_nonfinite(torch.cat(ts), pieces)
+                raise FloatingPointError(f"refusing to checkpoint a diverged state: {kind} of {bad} "
+                                         "holds inf/nan")
             base = _alloc_raw(g, kind, off, h5py.h5t.IEEE_F32LE)
             if base is not None:
                 plan.append((base, ts, None))

@@ -12,6 +12,8 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from ..watchdog import waiting
+
 
 class CommTimeout(RuntimeError):
     """A collective did not complete by its deadline (a peer is stuck or gone)."""
@@ -95,18 +97,19 @@ class Handle:
         if self.done:
             return
         t0 = time.perf_counter()
-        if timeout is None:
-            self._wait_fn()
-        else:
-            pause = 1e-5
-            while not self._test_fn():
-                if time.perf_counter() - t0 > timeout:
-                    raise CommTimeout(f"{self._op}: not complete after {timeout:g} s "
-                                      "(a peer rank is stuck, gone, or issued a different collective)")
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-2)  # back off: short waits stay fast
-        if self._finish is not None:
-            self._finish()
+        with waiting(self._op):  # the watchdog's deadline covers every wait
+            if timeout is None:
+                self._wait_fn()
+            else:
+                pause = 1e-5
+                while not self._test_fn():
+                    if time.perf_counter() - t0 > timeout:
+                        raise CommTimeout(f"{self._op}: not complete after {timeout:g} s (a peer rank "
+                                          "is stuck, gone, or issued a different collective)")
+                    time.sleep(pause)
+                    pause = min(2 * pause, 1e-2)  # back off: short waits stay fast
+            if self._finish is not None:
+                self._finish()
         self.done = True
         self._stats.add_time(self._op, time.perf_counter() - t0)
 

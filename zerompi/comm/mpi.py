@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..watchdog import waiting
 from .base import CommStats, DoneHandle, Handle
 
 _OPS = ("sum", "max", "min", "lor")
@@ -82,7 +83,8 @@ class MPICommunicator:
         MPI = _mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         # A private duplicate keeps our traffic apart from the user's own messages.
-        self.comm = comm.Dup() if _dup else comm
+        with waiting("comm_dup"):
+            self.comm = comm.Dup() if _dup else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         if reduce_scatter not in ("ordered", "native"):
@@ -206,7 +208,8 @@ class MPICommunicator:
             recv.copy_(send)
             return
         t0 = time.perf_counter()
-        self.comm.Gather(_arr(send, "send"), _arr(recv, "recv") if self.rank == root else None, root=root)
+        with waiting("gather"):
+            self.comm.Gather(_arr(send, "send"), _arr(recv, "recv") if self.rank == root else None, root=root)
         self._stats.add_time("gather", time.perf_counter() - t0)
 
     def broadcast(self, t, root: int = 0) -> None:
@@ -215,7 +218,8 @@ class MPICommunicator:
         if self.size == 1:
             return
         t0 = time.perf_counter()
-        self.comm.Bcast(_arr(t, "broadcast"), root=root)
+        with waiting("broadcast"):
+            self.comm.Bcast(_arr(t, "broadcast"), root=root)
         self._stats.add_time("broadcast", time.perf_counter() - t0)
 
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]:
@@ -229,22 +233,27 @@ class MPICommunicator:
         self._stats.record("all_reduce", 2 * buf.numel(), buf.element_size())
         if self.size > 1:
             t0 = time.perf_counter()
-            self.comm.Allreduce(MPIIN(), _arr(buf, "scalars"), op=_mpi().SUM)
+            with waiting("all_reduce"):
+                self.comm.Allreduce(MPIIN(), _arr(buf, "scalars"), op=_mpi().SUM)
             self._stats.add_time("all_reduce", time.perf_counter() - t0)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with waiting("barrier"):
+            self.comm.Barrier()
 
     def split(self, color: int, key: int | None = None) -> "MPICommunicator":
-        sub = self.comm.Split(color, self.rank if key is None else key)
+        with waiting("split"):
+            sub = self.comm.Split(color, self.rank if key is None else key)
         return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False)
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
         """Pickle-based broadcast, for set-up only (never in the training step)."""
-        return self.comm.bcast(obj, root=root)
+        with waiting("bcast_object"):
+            return self.comm.bcast(obj, root=root)
 
     def allgather_object(self, obj: Any) -> list:
-        return self.comm.allgather(obj)
+        with waiting("allgather_object"):
+            return self.comm.allgather(obj)
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 
 from .. import config as config_mod
-from .. import runtime
+from .. import runtime, watchdog
 from ..config import ZeroConfig
 from ..device import Placement
 from ..optim import ShardedAdamW, build_groups, build_segments
-from ..precision import DTYPES, cast_inputs, make_scaler
+from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler
 from . import flat, grads, load_full, state_io
 from .params import ReplicatedParams, sync_untracked
 from .partitioned import PartitionedParams
@@ -126,6 +126,7 @@ class ZeroEngine:
         self.optimizer = ShardedAdamW(build_segments(layout, own, group_of), self.state.views,
                                       groups, len(self.params))
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
+        self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
         self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype)
@@ -137,6 +138,7 @@ class ZeroEngine:
         self._backward_pending = False
         runtime.seed_everything(cfg.seed, self.rank)
         runtime.release_free_memory()
+        watchdog.watch_engine(self)  # deadlines from cfg.comm; names the step on expiry
 
     # ------------------------------------------------------------------ training API
     @property
@@ -211,7 +213,10 @@ class ZeroEngine:
         scale = self.scaler.scale
         sumsq, used = self._grad_stats()
         overflow = not math.isfinite(sumsq)
-        self.scaler.update(overflow)
+        self.scaler.update(overflow)  # fp16: raises Diverged at min_scale
+        # Logs every skip with its step; raises Diverged on every rank together.
+        self.nonfinite.record(self.micro_steps // self.gradient_accumulation_steps, not overflow,
+                              scale, self.scaler.scale)
         if overflow:
             self.skipped_steps += 1
             self.last_grad_norm = float("inf")

@@ -1,0 +1,399 @@
+"""Reliability under the faults clusters produce (issue 14): real mpiexec jobs, real
+signals, real files, a hard deadline per test, and no process left behind.
+
+- a stopped rank (SIGSTOP: a dead node, a hung GPU) ends the job within the deadline,
+  named by the others' watchdogs; SIGTERM ends a blocked job within seconds.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpirun import WORKERS, launch, mpi_env, run_mpi
+
+HANG = str(WORKERS / "hang.py")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie has exited; only its parent has not reaped it yet
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_stopped_rank_ends_the_job_naming_it(stage):
+    """N = 4, rank 3 SIGSTOPs itself at step 3; timeout_s = 4: the others name rank 3
+    and the job ends with exit 3 well within the test's own 60 s deadline."""
+    r = run_mpi(4, [HANG, "stop-self", str(stage)], timeout=60, module=False, check=False)
+    assert r.returncode == 3, r.stdout[-3000:]
+    assert "zerompi watchdog: " in r.stdout and "not complete after 4 s (zero.comm.timeout_s)" in r.stdout
+    assert "rank 3 did not answer" in r.stdout, r.stdout[-3000:]
+    assert "at step 4" in r.stdout  # the step in progress, 1-based as in metrics.jsonl
+    assert r.elapsed < 30, r.elapsed
+
+
+def test_sigterm_ends_a_blocked_job(tmp_path):
+    """Rank 3 is stopped, the others block in a collective; SIGTERM to mpiexec (which
+    forwards it, as scancel signals every task) ends the job within seconds: the ranks
+    cannot agree to checkpoint, so none is written; exit 128 + SIGTERM."""
+    pidfile = tmp_path / "pid"
+    p = subprocess.Popen(["mpiexec", "-n", "4", sys.executable, HANG, "wait", "2", str(pidfile)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "pid.stopped").exists():
+            assert p.poll() is None and time.monotonic() - t0 < 60, "job ended before the stop"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the others are now blocked in the step's collectives
+        t_sig = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+        took = time.monotonic() - t_sig
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "SIGTERM received, but" in out and "rank 3 did not answer" in out, out[-3000:]
+    assert took < 15, took
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(4)]
+    deadline = time.monotonic() + 5
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(map(_gone, pids)), "a rank outlived its job"
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs: a real filesystem that really fills up (needs root)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_save_leaves_nothing_behind(small_fs, tmp_path):
+    """The filesystem fills up during the second save: every rank gets the error, which
+    names the file and the space needed; the first checkpoint stays, `latest` names it,
+    and no temporary directory is left."""
+    out = tmp_path / "out.json"
+    run_mpi(2, [str(WORKERS / "diskfull.py"), str(small_fs / "ck"), str(out)], timeout=90)
+    import json
+
+    res = json.loads(out.read_text())
+    assert all(e is not None for e in res["errors"]), res
+    msg = res["errors"][0]
+    assert "rank-0000" in msg and ".h5" in msg and "out of space" in msg and "MiB free there now" in msg, msg
+    assert "needs about" in msg and "the previous checkpoint is untouched" in msg
+    assert res["listing"] == ["a", "latest"], res["listing"]
+    assert res["latest"] == "a"
+
+
+# ---------------------------------------------------------------------------- the train CLI
+TRAIN = [sys.executable, "-m", "zerompi.train"]
+FAST = ["--model.preset", "tiny", "--global_batch", "4", "--max_steps", "4", "--warmup_steps", "1",
+        "--lr_decay_steps", "20", "--eval_interval", "0", "--checkpoint_interval", "1", "--keep_last", "0",
+        "--log_interval", "1", "--progress", "lines", "--zero.stage", "2", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from zerompi.data import default_corpus
+
+    return str(default_corpus(tmp_path_factory.mktemp("cache"), max_bytes=100_000))
+
+
+def train(run_dir, corpus, *extra, n=2, timeout=60, env=None, prefix=()):
+    """`mpiexec -n N python -m zerompi.train` with stdout and stderr apart."""
+    return launch(["mpiexec", "-n", str(n)] + list(prefix) + TRAIN + FAST
+                  + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra),
+                  timeout, env=env, stderr_apart=True)
+
+
+def one_error(res, code, needle):
+    """Exit `code` and the error as one line from rank 0, no traceback."""
+    assert res.returncode == code, (res.returncode, res.stdout[-2000:], res.stderr[-3000:])
+    assert "Traceback" not in res.stdout + res.stderr, res.stderr[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zerompi.train: error")]
+    assert len(lines) == 1 and needle in lines[0], res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, corpus):
+    """4 steps, a checkpoint after each (all kept)."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    res = train(run_dir, corpus)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"no checkpoint in {run_dir / 'checkpoints'}: starting a FRESH run" in res.stderr
+    return run_dir
+
+
+def copy_run(base_run, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(base_run, dst)
+    return dst
+
+
+def test_divergence_stops_and_the_newest_good_checkpoint_survives(base_run, corpus, tmp_path):
+    """Resume at lr 1e30: step 5 is finite but wrecks the weights, steps 6-8 are not
+    finite (each logged with its step), the job stops after 3 in a row (exit 4) without
+    checkpointing them, and keep_last=1 still left the step-4 checkpoint in place."""
+    run_dir = copy_run(base_run, tmp_path)
+    res = train(run_dir, corpus, "--max_steps", "30", "--keep_last", "1", "--zero.optimizer.lr", "1e30",
+                "--min_lr", "0")
+    one_error(res, 4, "3 steps in a row with a non-finite loss or gradient")
+    for s in (6, 7, 8):
+        assert f"zerompi: step {s}: non-finite gradient norm ({s - 5} in a row)" in res.stderr, res.stderr[-3000:]
+    for s in (6, 7):  # step 8 stops the job before its checkpoint
+        assert f"step {s} was not finite: no checkpoint" in res.stderr
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_0000004", "step_0000005"], ckpts
+    from zerompi.checkpoint import verify_checkpoint
+
+    verify_checkpoint(run_dir / "checkpoints" / "step_0000004")
+
+
+def test_resume_mismatches(base_run, corpus, tmp_path):
+    """Another architecture with the same shapes is an error naming the key; changed
+    optimizer hyper-parameters are an error unless --override_optimizer (then logged);
+    a new max_steps is logged as a schedule change."""
+    run_dir = copy_run(base_run, tmp_path)
+    one_error(train(run_dir, corpus, "--model.n_head", "4", "--max_steps", "5"), 2,
+              "another model architecture: model n_head: checkpoint 2, config 4")
+    one_error(train(run_dir, corpus, "--zero.optimizer.weight_decay", "0.2", "--max_steps", "5"), 2,
+              "param group 0 weight_decay: checkpoint 0.01, config 0.2")
+    res = train(run_dir, corpus, "--zero.optimizer.weight_decay", "0.2", "--zero.optimizer.betas", "0.8,0.9",
+                "--override_optimizer", "true", "--max_steps", "5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "override_optimizer: using the config's optimizer hyper-parameters" in res.stderr
+    assert "weight_decay: checkpoint 0.01, config 0.2" in res.stderr and "betas: checkpoint (0.9, 0.999)" in res.stderr
+    assert "schedule changed since the checkpoint: max_steps 4 -> 5" in res.stderr
+    assert "resumed at step 4" in res.stdout
+
+
+def test_damaged_latest_falls_back_and_resume_from(base_run, corpus, tmp_path):
+    """The latest checkpoint is corrupt: the run resumes from the newest one that
+    verifies, saying so loudly; --resume_from picks one explicitly and never falls back."""
+    run_dir = copy_run(base_run, tmp_path)
+    ck = run_dir / "checkpoints"
+    victim = ck / "step_0000004" / "rank-00001.h5"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    res = train(run_dir, corpus, "--max_steps", "5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"WARNING: checkpoint {ck / 'step_0000004'} is damaged and is skipped" in res.stderr
+    assert "rank-00001.h5: sha256 mismatch" in res.stderr
+    assert f"RESUMING FROM AN OLDER CHECKPOINT, {ck / 'step_0000003'}" in res.stderr
+    assert "resumed at step 3" in res.stdout
+
+    run2 = copy_run(base_run, tmp_path / "b")
+    res = train(run2, corpus, "--max_steps", "5", "--resume_from", "step_0000002")
+    assert res.returncode == 0 and "resumed at step 2" in res.stdout, res.stderr[-3000:]
+    res = train(run2, corpus, "--max_steps", "5", "--resume_from", str(run2 / "checkpoints" / "step_0000001"))
+    assert res.returncode == 0 and "resumed at step 1" in res.stdout, res.stderr[-3000:]
+    one_error(train(run2, corpus, "--resume_from", "step_9"), 2,
+              "--resume_from step_9: no checkpoint there nor in")
+    (run2 / "checkpoints" / "step_0000003" / "rank-00000.h5").unlink()
+    one_error(train(run2, corpus, "--max_steps", "5", "--resume_from", "step_0000003"), 2,
+              "--resume_from step_0000003: cannot load checkpoint")
+
+
+def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path):
+    """Job A runs; job B on the same run_dir fails at once (exit 5) naming A's host and
+    pid; A is not disturbed. A lock left by a dead process, or by an earlier run of the
+    same Slurm job (a requeue), is taken over."""
+    import json
+    import socket
+
+    run_dir = tmp_path / "run"
+    cmd = ["mpiexec", "-n", "2"] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir),
+                                                   "--max_steps", "100000", "--checkpoint_interval", "0"]
+    a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (run_dir / "metrics.jsonl").exists():
+            assert a.poll() is None and time.monotonic() - t0 < 60, "job A ended early"
+            time.sleep(0.05)
+        holder = json.loads((run_dir / ".lock").read_text())
+        b = train(run_dir, corpus, timeout=30)
+        one_error(b, 5, f"is in use by another job (host {socket.gethostname()}, pid {holder['pid']}")
+        assert b.elapsed < 15, b.elapsed
+        assert a.poll() is None  # A runs on
+        a.send_signal(signal.SIGUSR1)  # A checkpoints and ends (exit 124), releasing the lock
+        out, _ = a.communicate(timeout=60)
+        assert a.returncode == 124, out[-3000:]
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.communicate()
+    assert not (run_dir / ".lock").exists()
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = {"host": socket.gethostname(), "pid": dead.pid, "start": "1", "slurm_job_id": None,
+            "slurm_restart_count": 0, "since": "earlier"}
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    res = train(run_dir, corpus, "--max_steps", "1", "--resume", "false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"took over the lock of host {socket.gethostname()}, pid {dead.pid}" in res.stderr
+    assert "its process is gone" in res.stderr
+
+    lock = dict(lock, host="node-elsewhere", pid=1, slurm_job_id="4242", slurm_restart_count=0)
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    res = train(run_dir, corpus, "--max_steps", "1", "--resume", "false", env={"SLURM_JOB_ID": "4242",
+                                                                              "SLURM_RESTART_COUNT": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "an earlier run of this Slurm job (requeued)" in res.stderr
+    lock["slurm_job_id"] = "5000"  # another job, on another host, heartbeat fresh: busy
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    one_error(train(run_dir, corpus, "--max_steps", "1"), 5, "host node-elsewhere, pid 1, Slurm job 5000")
+
+
+def _only_rank1(tmp_path, script):
+    """MPMD prefix pieces: rank 1 runs in its own mount namespace after `script` (a
+    directory or file that rank 0 sees differently: node-local disks, a missing mount)."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -m needs root")
+    wrapper = tmp_path / "rank1.sh"
+    wrapper.write_text(f"#!/bin/sh\nset -e\n{script}\nexec \"$@\"\n")
+    wrapper.chmod(0o755)
+    return ["unshare", "-m", "--propagation", "private", str(wrapper)]
+
+
+def mpmd(run_dir, corpus, rank1_prefix, *extra, timeout=60):
+    argv = TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra)
+    return launch(["mpiexec", "-n", "1"] + argv + [":", "-n", "1"] + rank1_prefix + argv, timeout,
+                  stderr_apart=True)
+
+
+def test_checkpoint_rank_0_sees_but_rank_1_does_not(base_run, corpus, tmp_path):
+    """Rank 1's view of the checkpoints folder is an empty tmpfs (as a node-local disk
+    or a missing mount would be): the job fails at once naming rank 1, no hang."""
+    run_dir = copy_run(base_run, tmp_path)
+    prefix = _only_rank1(tmp_path, f"mount -t tmpfs tmpfs {run_dir / 'checkpoints'}")
+    res = mpmd(run_dir, corpus, prefix, "--max_steps", "5")
+    one_error(res, 2, f"rank 1 cannot see checkpoint {run_dir / 'checkpoints' / 'step_0000004'}, "
+                      "which rank 0 chose: is the run directory on a filesystem every node mounts?")
+
+
+def test_ranks_reading_different_data_are_stopped(corpus, tmp_path):
+    """Same --data path, other content on rank 1 (a stale per-node copy): the
+    fingerprints differ, the job stops before training, naming rank 1 and the value."""
+    other = tmp_path / "other.bin"
+    data = bytearray(open(corpus, "rb").read())
+    data[len(data) // 3] ^= 1  # one token differs, in a sampled window
+    other.write_bytes(bytes(data))
+    prefix = _only_rank1(tmp_path, f"mount --bind {other} {corpus}")
+    res = mpmd(tmp_path / "run", corpus, prefix)
+    one_error(res, 2, "rank 1 has a different data set than rank 0: train.sha256 = ")
+
+
+def test_uneven_step_counts_end_with_the_ranks_named(tmp_path):
+    """A user loop where rank 1 takes one step more than rank 0 (which then idles):
+    rank 1's watchdog says where each rank is instead of hanging."""
+    r = run_mpi(2, [HANG, "uneven", "2"], timeout=60, module=False, check=False)
+    assert r.returncode == 3, r.stdout[-3000:]
+    assert "[rank 1] zerompi watchdog:" in r.stdout and "at step 6" in r.stdout, r.stdout[-3000:]
+    assert "rank 0 is not in a collective at step 6" in r.stdout, r.stdout[-3000:]
+
+
+def test_first_sigint_checkpoints_like_sigterm(corpus, tmp_path):
+    """Ctrl-C (mpiexec forwards one SIGINT to every rank) on a healthy job: the ranks
+    agree, checkpoint and exit 124, as for SIGTERM; no traceback."""
+    run_dir = tmp_path / "run"
+    cmd = ["mpiexec", "-n", "2"] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir),
+                                                   "--max_steps", "100000", "--checkpoint_interval", "0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 3):
+            assert p.poll() is None and time.monotonic() - t0 < 60, "ended early"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 124, out[-3000:]
+    assert "SIGINT received: checkpoint of step" in out and "Traceback" not in out, out[-3000:]
+    assert any(c.name.startswith("step_") for c in (run_dir / "checkpoints").iterdir())
+
+
+def test_dead_jobs_shared_memory_is_removed_at_start(corpus, tmp_path):
+    """An old MPICH segment that no process maps (what a SIGKILLed job leaves) is removed
+    by the next job on the node; one a live process maps, or a brand-new one, is left
+    alone (checked in a private folder: other jobs on this machine clean /dev/shm too)."""
+    import mmap
+
+    from zerompi.rundir import clean_dead_shm
+
+    old = time.time() - 600
+    for name in ("mpich_shm_dead_0", "mpich_shm_live_0", "mpich_shm_new_0", "other_0"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "mpich_shm_new_0":
+            os.utime(tmp_path / name, (old, old))
+    fd = os.open(tmp_path / "mpich_shm_live_0", os.O_RDWR)
+    m = mmap.mmap(fd, 4096)
+    try:
+        assert clean_dead_shm(str(tmp_path)) == ["mpich_shm_dead_0"]
+    finally:
+        m.close()
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_live_0", "mpich_shm_new_0", "other_0"]
+
+    dead = Path(f"/dev/shm/mpich_shm_zerompitest_{os.getpid()}_0")
+    dead.write_bytes(b"\0" * 4096)
+    os.utime(dead, (old, old))
+    try:
+        res = train(tmp_path / "run", corpus, "--max_steps", "1")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not dead.exists()
+        assert "shared-memory segment(s) of dead jobs from /dev/shm" in res.stderr
+    finally:
+        dead.unlink(missing_ok=True)
+
+
+def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
+    """After a save, cleanup removes the temporary directory of a dead process or of
+    unknown owner (a crash before marking), never one whose owner still runs (another
+    job's save in progress)."""
+    import json
+    import socket
+
+    from zerompi.checkpoint.directory import OWNER, cleanup
+    from zerompi.rundir import _start_time
+
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        for name, pid in ((".tmp-a-live", live.pid), (".tmp-b-dead", dead.pid), (".tmp-c-unmarked", None)):
+            (tmp_path / name).mkdir()
+            if pid:
+                (tmp_path / name / OWNER).write_text(json.dumps(
+                    {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid) or "gone"}))
+        cleanup(str(tmp_path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-a-live"]
+    finally:
+        live.kill()
+        live.wait()

@@ -1,0 +1,47 @@
+"""Disk full during a save (tests/test_reliability.py): DIR is on a small tmpfs. Save
+checkpoint a, then rank 0 fills the filesystem until half of a's size is left, train
+a step and save b: every rank must get CheckpointError, DIR must hold a (intact) and no
+temporary directory. argv: DIR OUT."""
+import json
+import os
+import sys
+
+import torch
+from mpi4py import MPI
+
+import zerompi
+from zerompi.checkpoint import CheckpointError, verify_checkpoint
+
+d, out = sys.argv[1], sys.argv[2]
+world = MPI.COMM_WORLD
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+engine = zerompi.initialize(model, {"stage": 2})
+
+
+def step():
+    loss = engine(torch.randn(4, 64)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+
+step()
+engine.save_checkpoint(d, tag="a")
+size = sum(os.path.getsize(os.path.join(d, "a", f)) for f in os.listdir(os.path.join(d, "a")))
+if world.rank == 0:
+    st = os.statvfs(d)
+    with open(os.path.join(os.path.dirname(d), "filler"), "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - size // 2))
+world.Barrier()
+step()
+try:
+    engine.save_checkpoint(d, tag="b")
+    err = None
+except CheckpointError as e:
+    err = str(e)
+errs = world.gather(err)
+if world.rank == 0:
+    verify_checkpoint(d)  # latest -> a, complete
+    with open(out, "w") as f:
+        json.dump({"errors": errs, "listing": sorted(os.listdir(d)), "size_a": size,
+                   "latest": open(os.path.join(d, "latest")).read().strip()}, f)

@@ -1,0 +1,50 @@
+"""Stuck-rank scenarios for tests/test_reliability.py, launched WITHOUT `-m mpi4py`:
+zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
+
+stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the
+  others block in the next collective until the watchdog's deadline.
+uneven: rank 1 takes 6 steps, rank 0 5 and then idles.
+wait: every rank writes its pid to PIDFILE.<rank>, trains, and rank N-1 stops itself at
+  step 3; the test then signals mpiexec (SIGTERM to a blocked job).
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import zerompi
+from zerompi import watchdog
+from mpi4py import MPI
+
+mode, stage = sys.argv[1], int(sys.argv[2])
+rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+cfg = {"stage": stage, "comm": {"timeout_s": 4.0, "startup_timeout_s": 60.0, "stop_grace_s": 2.0}}
+if mode == "wait":
+    cfg["comm"]["timeout_s"] = 120.0  # the signal, not the deadline, must end it
+    watchdog.install_stop_signals()
+    with open(f"{sys.argv[3]}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+engine = zerompi.initialize(model, cfg)
+x = torch.randn(4, 8)
+steps = 100000 if mode != "uneven" else 5 + (rank == 1)
+for step in range(steps):
+    if rank == size - 1 and step == 3 and mode != "uneven":
+        print(f"rank {rank} stopping itself at step {step}", flush=True)
+        if mode == "wait":
+            open(f"{sys.argv[3]}.stopped", "w").close()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    if watchdog.stop_signal():
+        print(f"rank {rank}: stop signal seen between steps", flush=True)
+        break
+    time.sleep(0.01)
+print(f"rank {rank}: loop ended", flush=True)
+if mode == "uneven":
+    time.sleep(60)  # rank 0 does something else; rank 1 waits in its extra step

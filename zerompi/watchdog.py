@@ -1,0 +1,330 @@
+"""Deadlines on every collective wait, and stop signals that reach a blocked rank.
+
+A blocking MPI call cannot be interrupted from Python, and a Python signal handler
+runs only when the main thread is back in the interpreter, so a rank whose peer is
+stopped (a dead node, a hung GPU, SIGSTOP) would wait forever and ignore SIGTERM.
+Here the main thread only marks what it waits for (`with waiting("all_reduce"):`,
+done by the communicator for every collective and Handle.wait); a daemon thread checks
+the deadline four times a second and, on expiry:
+  1. asks every other rank where it is, by point-to-point messages on COMM_WORLD under
+     two reserved tags, answered by the other ranks' watchdog threads (which run even
+     while their main thread is blocked in MPI: mpi4py initialises MPI_THREAD_MULTIPLE);
+  2. prints one line naming this rank, the collective, the step, and the ranks that did
+     not answer (stopped or dead) or are somewhere else;
+  3. ends the whole job through runtime.abort (MPI_Abort, exit EXIT_TIMEOUT).
+
+Stop signals (install_stop_signals, used by `python -m zerompi.train`): the Python
+handler sets a flag that the loop reads between steps, where the ranks agree and
+checkpoint together; `signal.set_wakeup_fd` also tells this thread at once. After
+SIGTERM/SIGINT, a wait that does not complete within `stop_grace_s` means the ranks can
+no longer agree: the job ends without writing a partial checkpoint (exit 128 + signal).
+A second SIGINT ends it at once.
+
+Deadlines: `timeout_s` per wait once the first optimizer step is done; before that, and
+inside `generous()` (checkpoint I/O, where ranks wait for the slowest writer),
+`startup_timeout_s`. 0 turns a deadline off. Per process, like the abort hook: a rank
+has one main thread that can block, whatever the communicators.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+EXIT_TIMEOUT = 3
+TAG_QUERY, TAG_REPLY = 32001, 32002  # MPI guarantees tags up to 32767
+_POLL_S = 0.25
+_ASK_S = 3.0          # how long an expiring rank waits for the others' answers
+_ASK_MAX_RANKS = 256  # above this, asking every rank costs more than it tells
+
+
+class _State:
+    timeout_s = 300.0
+    startup_timeout_s = 1200.0
+    stop_grace_s = 10.0
+    op: str | None = None      # what the main thread waits for now
+    since = 0.0
+    generous = 0
+    label = ""                 # what the waits belong to ("checkpoint save")
+    progress = None            # callable -> (step, first step done)
+    stop_sig = 0               # first stop signal seen by the Python handler
+    stop_at: float | None = None   # when the thread learnt of SIGTERM/SIGINT
+    stop_at_sig = 0                # ... and which
+    sigints = 0
+    agreed = False             # the ranks agreed to stop: normal deadlines again
+    thread: threading.Thread | None = None
+    wake_r: socket.socket | None = None
+    wake_w: socket.socket | None = None
+    closing = False
+
+
+S = _State()
+_lock = threading.Lock()  # MPI calls of the thread vs. MPI_Finalize at exit
+
+
+def configure(timeout_s: float | None = None, startup_timeout_s: float | None = None,
+              stop_grace_s: float | None = None) -> None:
+    if timeout_s is not None:
+        S.timeout_s = float(timeout_s)
+    if startup_timeout_s is not None:
+        S.startup_timeout_s = float(startup_timeout_s)
+    if stop_grace_s is not None:
+        S.stop_grace_s = float(stop_grace_s)
+
+
+def configure_from(comm_cfg) -> None:
+    """Deadlines from a CommConfig (zero.comm.timeout_s ...)."""
+    configure(comm_cfg.timeout_s, comm_cfg.startup_timeout_s, comm_cfg.stop_grace_s)
+
+
+def attach(progress) -> None:
+    """`progress()` -> (step in progress, first step done): named in messages; picks
+    the deadline."""
+    S.progress = progress
+
+
+def watch_engine(engine) -> None:
+    """Deadlines from engine.config.comm; messages name its optimizer step, and the
+    generous start-up deadline holds until its first update (weak reference: the
+    watchdog never keeps an engine alive)."""
+    import weakref
+
+    configure_from(engine.config.comm)
+    ref = weakref.ref(engine)
+
+    def progress():
+        e = ref()
+        if e is None:
+            return None, False
+        done = e.micro_steps // e.gradient_accumulation_steps  # skipped steps count, as in the loop
+        return done + 1, done >= 1  # the step in progress, 1-based like metrics.jsonl
+
+    attach(progress)
+
+
+def _step() -> tuple[int | None, bool]:
+    try:
+        return S.progress() if S.progress else (None, False)
+    except Exception:
+        return None, False
+
+
+@contextmanager
+def waiting(op: str):
+    """Mark a collective wait of the main thread (nested marks keep the outer one)."""
+    if S.thread is None:
+        _start()
+    outer = S.op is not None
+    if not outer:
+        S.since, S.op = time.monotonic(), op
+    try:
+        yield
+    finally:
+        if not outer:
+            S.op = None
+
+
+@contextmanager
+def generous(label: str):
+    """Waits inside get startup_timeout_s (checkpoint save/load: ranks wait for the
+    slowest writer, which may take minutes on a big model); `label` goes in messages."""
+    S.generous += 1
+    outer, S.label = S.label, S.label or label
+    try:
+        yield
+    finally:
+        S.generous -= 1
+        S.label = outer
+
+
+# ---------------------------------------------------------------- stop signals
+def _on_signal(signum, frame) -> None:
+    if not S.stop_sig or signum != signal.SIGUSR1:  # TERM/INT outrank USR1
+        S.stop_sig = signum
+
+
+def install_stop_signals() -> None:
+    """SIGUSR1 (checkpoint and stop), SIGTERM and SIGINT (the same, within stop_grace_s
+    when blocked; a second SIGINT aborts). Call from the main thread."""
+    r, w = socket.socketpair()
+    r.setblocking(False)
+    w.setblocking(False)
+    S.wake_r = r
+    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _on_signal)
+    signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    S.wake_w = w  # keep the write end open
+    if S.thread is None:
+        _start()
+
+
+def stop_signal() -> int:
+    """The stop signal received so far on this rank (0 if none)."""
+    return S.stop_sig
+
+
+def stop_agreed() -> None:
+    """The ranks agreed to stop (they can still communicate): checkpoint with the
+    normal deadlines."""
+    S.agreed = True
+
+
+# ---------------------------------------------------------------- the thread
+def _mpi():
+    """mpi4py.MPI if this thread may call MPI now: initialised, not finalised, and at
+    MPI_THREAD_MULTIPLE (mpi4py's default; at a lower level the watchdog only aborts)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
+                and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            return MPI
+    except Exception:
+        pass
+    return None
+
+
+def _start() -> None:
+    with _lock:
+        if S.thread is not None:
+            return
+        S.thread = threading.Thread(target=_loop, name="zerompi-watchdog", daemon=True)
+        S.thread.start()
+    atexit.register(_close)  # runs before mpi4py's MPI_Finalize (registered earlier)
+
+
+def _close() -> None:
+    with _lock:
+        S.closing = True
+
+
+def _status() -> tuple:
+    step, _ = _step()
+    op = S.op
+    return (op, round(time.monotonic() - S.since, 1) if op else 0.0, step)
+
+
+def _serve(MPI) -> None:
+    """Answer other ranks' "where are you?" with this rank's status."""
+    world = MPI.COMM_WORLD
+    while True:
+        msg = world.improbe(source=MPI.ANY_SOURCE, tag=TAG_QUERY)
+        if msg is None:
+            return
+        st = MPI.Status()
+        msg.recv(status=st)
+        world.isend(_status(), dest=st.Get_source(), tag=TAG_REPLY)
+
+
+def _loop() -> None:
+    while True:
+        if S.wake_r is not None:
+            ready, _, _ = select.select([S.wake_r], [], [], _POLL_S)
+            if ready:
+                try:
+                    data = S.wake_r.recv(64)
+                except OSError:
+                    data = b""
+                for signum in data:
+                    _thread_signal(signum)
+        else:
+            time.sleep(_POLL_S)
+        with _lock:
+            if S.closing:
+                return
+            MPI = _mpi()
+            if MPI is not None and MPI.COMM_WORLD.Get_size() > 1:
+                try:
+                    _serve(MPI)
+                except Exception:
+                    pass
+        _check()
+
+
+def _thread_signal(signum: int) -> None:
+    if signum in (signal.SIGTERM, signal.SIGINT) and S.stop_at is None:
+        S.stop_at, S.stop_at_sig = time.monotonic(), signum
+    if signum == signal.SIGINT:
+        S.sigints += 1
+        if S.sigints >= 2:
+            _expire("a second SIGINT: stopping now, without a checkpoint", 128 + signal.SIGINT)
+
+
+def _check() -> None:
+    op, since = S.op, S.since
+    if op is None:
+        return
+    now = time.monotonic()
+    step, running = _step()
+    limit = S.startup_timeout_s if (S.generous or not running) else S.timeout_s
+    key = "startup_timeout_s" if (S.generous or not running) else "timeout_s"
+    at = (f" at step {step}" if step is not None else "") + (f" during {S.label}" if S.label else "")
+    if limit > 0 and now - since > limit:
+        _expire(f"{op}{at} not complete after {limit:g} s (zero.comm.{key})", EXIT_TIMEOUT, op, step)
+    sig = S.stop_at_sig  # the main thread's handler may not have run yet: it is blocked
+    if S.stop_at is not None and not S.agreed and S.stop_grace_s > 0 \
+            and now - max(since, S.stop_at) > S.stop_grace_s:
+        name = signal.Signals(sig).name
+        _expire(f"{name} received, but {op}{at} has not completed in the {S.stop_grace_s:g} s since "
+                f"(zero.comm.stop_grace_s): the ranks cannot agree to checkpoint; exiting without one",
+                128 + sig, op, step)
+
+
+def _ask_peers(MPI, op, step) -> str:
+    """Who is not with us: ask every rank, wait _ASK_S for answers."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if size > _ASK_MAX_RANKS:
+        return f" ({size} ranks: not asking each where it is)"
+    peers = [q for q in range(size) if q != rank]
+    reqs = [world.isend(None, dest=q, tag=TAG_QUERY) for q in peers]
+    answers: dict[int, tuple] = {}
+    t_end = time.monotonic() + _ASK_S
+    while len(answers) < len(peers) and time.monotonic() < t_end:
+        _serve(MPI)  # the others are asking too
+        st = MPI.Status()
+        msg = world.improbe(source=MPI.ANY_SOURCE, tag=TAG_REPLY, status=st)
+        if msg is None:
+            time.sleep(0.01)
+            continue
+        answers[st.Get_source()] = msg.recv()
+    del reqs  # never waited for: a stopped rank never takes its message
+    silent = [q for q in peers if q not in answers]
+    same = sorted(q for q, (o, _, s) in answers.items() if o == op and s == step)
+    elsewhere = [(q, a) for q, a in sorted(answers.items()) if q not in same]
+    parts = []
+    if silent:
+        parts.append(f"{_ranks(silent)} did not answer within {_ASK_S:g} s (stopped, dead or hung: "
+                     "the likely cause)")
+    for q, (o, waited, s) in elsewhere[:8]:
+        where = f"waits in {o} for {waited:g} s" if o else "is not in a collective"
+        parts.append(f"rank {q} {where}" + (f" at step {s}" if s is not None else ""))
+    if same:
+        parts.append(f"{_ranks(same)} wait{'s' if len(same) == 1 else ''} in the same collective")
+    return "; " + "; ".join(parts) if parts else ""
+
+
+def _ranks(qs: list[int]) -> str:
+    if len(qs) == 1:
+        return f"rank {qs[0]}"
+    shown = ", ".join(map(str, qs[:16])) + (f" and {len(qs) - 16} more" if len(qs) > 16 else "")
+    return f"ranks {shown}"
+
+
+def _expire(what: str, code: int, op: str | None = None, step: int | None = None) -> None:
+    from . import runtime
+
+    MPI = _mpi()
+    rank = MPI.COMM_WORLD.Get_rank() if MPI else os.environ.get("PMI_RANK", "?")
+    detail = ""
+    if MPI is not None and op is not None and MPI.COMM_WORLD.Get_size() > 1:
+        try:
+            detail = _ask_peers(MPI, op, step)
+        except Exception as e:  # a diagnosis must never stop the abort
+            detail = f" (could not ask the other ranks: {e})"
+    runtime.abort(f"[rank {rank}] zerompi watchdog: {what}{detail}. Ending the job.", code)
