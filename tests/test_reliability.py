@@ -397,3 +397,61 @@ def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+SCANCEL_BATCH = """\
+#!/bin/bash
+#SBATCH --ntasks=2
+#SBATCH --time=5
+srun --mpi=pmi2 --kill-on-bad-exit=1 "$@"
+rc=$?
+echo "BATCH srun rc=$rc"
+exit $rc
+"""
+
+
+def test_scancel_signal_ends_a_blocked_slurm_job(slurm_cluster, tmp_path):
+    """Under a real Slurm (2 tasks on the 2-CPU test node): rank 1 is stopped, rank 0
+    blocks; `scancel --signal=TERM` (the signal only: no SIGKILL follows it, unlike a plain
+    scancel after KillWait) ends the job within seconds, the stopped rank named, every
+    rank gone."""
+    from slurm_jobs import _read, _write
+
+    pidfile = tmp_path / "pid"
+    script = _write(tmp_path / "scancel.sbatch", SCANCEL_BATCH, executable=True)
+    job = slurm_cluster.sbatch(script, sys.executable, HANG, "wait", "2", str(pidfile),
+                               options=[f"--output={tmp_path}/job.log"],
+                               env={"PYTHONPATH": str(Path(HANG).parents[2]), "OMP_NUM_THREADS": "1"})
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "pid.stopped").exists():
+            assert time.monotonic() - t0 < 90, _read(tmp_path / "job.log")
+            time.sleep(0.1)
+        time.sleep(1.0)
+        t_sig = time.monotonic()
+        slurm_cluster.run(["scancel", "--signal=TERM", str(job)])
+        state = slurm_cluster.wait(job, timeout=60)
+        took = time.monotonic() - t_sig
+    finally:
+        slurm_cluster.run(["scancel", str(job)], check=False)
+    log = _read(tmp_path / "job.log")
+    assert state in ("FAILED", "CANCELLED"), (state, log[-3000:])
+    assert "SIGTERM received, but" in log and "rank 1 did not answer" in log, log[-3000:]
+    assert took < 20, took
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(map(_gone, pids)), "a rank outlived its job"
+
+
+def test_divergence_in_a_user_loop_is_one_line(tmp_path):
+    """The engine API without the train CLI: a NaN on one rank skips the step on every
+    rank (logged with its step), and the third in a row ends the job with exit 4 and one
+    line from rank 0, no traceback per rank."""
+    r = run_mpi(3, [HANG, "nan", "2"], timeout=60, module=False, check=False)
+    assert r.returncode == 4, r.stdout[-3000:]
+    for s, k in ((2, 1), (3, 2), (4, 3)):
+        assert f"zerompi: step {s}: non-finite gradient norm ({k} in a row): update skipped" in r.stdout
+    assert r.stdout.count("zerompi: error: step 4: 3 steps in a row with a non-finite loss") == 1, r.stdout
+    assert "Traceback" not in r.stdout

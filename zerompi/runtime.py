@@ -46,6 +46,11 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
             rank = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
     except Exception:
         pass
+    if issubclass(exc_type, JobError):  # raised by every rank together: one line, from rank 0
+        if rank in ("", "[rank 0] "):
+            abort(f"zerompi: error: {exc}", exc.exit_code)
+        time.sleep(2.0)  # let rank 0 print before this rank's abort ends the job
+        abort("", exc.exit_code)
     msg = "".join(traceback.format_exception(exc_type, exc, tb))
     text = "".join(f"{rank}{line}\n" for line in msg.rstrip("\n").split("\n"))
     abort(text, 130 if exc_type is KeyboardInterrupt else 1)
@@ -55,8 +60,9 @@ def abort(message: str, code: int = 1) -> None:
     """Print `message` to stderr and end the whole job with exit status `code` (MPI_Abort
     in a multi-rank job). Safe from any thread: the watchdog calls it while the main
     thread is blocked in MPI."""
-    sys.stderr.write(message if message.endswith("\n") else message + "\n")
-    sys.stderr.flush()
+    if message:
+        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        sys.stderr.flush()
     MPI = sys.modules.get("mpi4py.MPI")
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \

@@ -3,6 +3,7 @@ zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
 
 stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the
   others block in the next collective until the watchdog's deadline.
+nan: rank 0 feeds NaN from step 2 on: the job stops after 3 skipped steps (Diverged).
 uneven: rank 1 takes 6 steps, rank 0 5 and then idles.
 wait: every rank writes its pid to PIDFILE.<rank>, trains, and rank N-1 stops itself at
   step 3; the test then signals mpiexec (SIGTERM to a blocked job).
@@ -33,11 +34,13 @@ engine = zerompi.initialize(model, cfg)
 x = torch.randn(4, 8)
 steps = 100000 if mode != "uneven" else 5 + (rank == 1)
 for step in range(steps):
-    if rank == size - 1 and step == 3 and mode != "uneven":
+    if rank == size - 1 and step == 3 and mode in ("stop-self", "wait"):
         print(f"rank {rank} stopping itself at step {step}", flush=True)
         if mode == "wait":
             open(f"{sys.argv[3]}.stopped", "w").close()
         os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "nan" and rank == 0 and step >= 1:
+        x = torch.full((4, 8), float("nan"))  # one rank's NaN reaches every rank's gradient
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
