@@ -40,20 +40,28 @@ def test_stopped_rank_ends_the_job_naming_it(stage):
     assert r.elapsed < 30, r.elapsed
 
 
+def _blocked_job(tmp_path, mode):
+    """hang.py MODE at N = 4 with rank 3 stopped and the others blocked; (Popen, pids)."""
+    pidfile = tmp_path / "pid"
+    p = subprocess.Popen(["mpiexec", "-n", "4", sys.executable, HANG, mode, "2", str(pidfile)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                         start_new_session=True)
+    t0 = time.monotonic()
+    while not (tmp_path / "pid.stopped").exists():
+        if p.poll() is not None or time.monotonic() - t0 > 60:
+            os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("job ended before the stop: " + p.communicate()[0][-3000:])
+        time.sleep(0.05)
+    time.sleep(1.0)
+    return p, [int((tmp_path / f"pid.{r}").read_text()) for r in range(4)]
+
+
 def test_sigterm_ends_a_blocked_job(tmp_path):
     """Rank 3 is stopped, the others block in a collective; SIGTERM to mpiexec (which
     forwards it, as scancel signals every task) ends the job within seconds: the ranks
     cannot agree to checkpoint, so none is written; exit 128 + SIGTERM."""
-    pidfile = tmp_path / "pid"
-    p = subprocess.Popen(["mpiexec", "-n", "4", sys.executable, HANG, "wait", "2", str(pidfile)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
-                         start_new_session=True)
+    p, pids = _blocked_job(tmp_path, "wait")
     try:
-        t0 = time.monotonic()
-        while not (tmp_path / "pid.stopped").exists():
-            assert p.poll() is None and time.monotonic() - t0 < 60, "job ended before the stop"
-            time.sleep(0.05)
-        time.sleep(1.0)  # the others are now blocked in the step's collectives
         t_sig = time.monotonic()
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
@@ -65,7 +73,6 @@ def test_sigterm_ends_a_blocked_job(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "SIGTERM received, but" in out and "rank 3 did not answer" in out, out[-3000:]
     assert took < 15, took
-    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(4)]
     deadline = time.monotonic() + 5
     while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -265,6 +272,9 @@ def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path)
     lock["slurm_job_id"] = "5000"  # another job, on another host, heartbeat fresh: busy
     (run_dir / ".lock").write_text(json.dumps(lock))
     one_error(train(run_dir, corpus, "--max_steps", "1"), 5, "host node-elsewhere, pid 1, Slurm job 5000")
+    os.utime(run_dir / ".lock", (time.time() - 900, time.time() - 900))  # its heartbeat stopped
+    res = train(run_dir, corpus, "--max_steps", "1", "--resume", "false")
+    assert res.returncode == 0 and "not refreshed for 9" in res.stderr, res.stderr[-3000:]
 
 
 def _only_rank1(tmp_path, script):
@@ -397,3 +407,110 @@ def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+SCANCEL_BATCH = """\
+#!/bin/bash
+#SBATCH --ntasks=2
+#SBATCH --time=5
+srun --mpi=pmi2 --kill-on-bad-exit=1 "$@"
+rc=$?
+echo "BATCH srun rc=$rc"
+exit $rc
+"""
+
+
+def test_scancel_signal_ends_a_blocked_slurm_job(slurm_cluster, tmp_path):
+    """Under a real Slurm (2 tasks on the 2-CPU test node): rank 1 is stopped, rank 0
+    blocks; `scancel --signal=TERM` (the signal only: no SIGKILL follows it, unlike a plain
+    scancel after KillWait) ends the job within seconds, the stopped rank named, every
+    rank gone."""
+    from slurm_jobs import _read, _write
+
+    pidfile = tmp_path / "pid"
+    script = _write(tmp_path / "scancel.sbatch", SCANCEL_BATCH, executable=True)
+    job = slurm_cluster.sbatch(script, sys.executable, HANG, "wait", "2", str(pidfile),
+                               options=[f"--output={tmp_path}/job.log"],
+                               env={"PYTHONPATH": str(Path(HANG).parents[2]), "OMP_NUM_THREADS": "1"})
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "pid.stopped").exists():
+            assert time.monotonic() - t0 < 90, _read(tmp_path / "job.log")
+            time.sleep(0.1)
+        time.sleep(1.0)
+        t_sig = time.monotonic()
+        slurm_cluster.run(["scancel", "--signal=TERM", str(job)])
+        state = slurm_cluster.wait(job, timeout=60)
+        took = time.monotonic() - t_sig
+    finally:
+        slurm_cluster.run(["scancel", str(job)], check=False)
+    log = _read(tmp_path / "job.log")
+    assert state in ("FAILED", "CANCELLED"), (state, log[-3000:])
+    assert "SIGTERM received, but" in log and "rank 1 did not answer" in log, log[-3000:]
+    assert took < 20, took
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(map(_gone, pids)), "a rank outlived its job"
+
+
+def test_divergence_in_a_user_loop_is_one_line(tmp_path):
+    """The engine API without the train CLI: a NaN on one rank skips the step on every
+    rank (logged with its step), and the third in a row ends the job with exit 4 and one
+    line from rank 0, no traceback per rank."""
+    r = run_mpi(3, [HANG, "nan", "2"], timeout=60, module=False, check=False)
+    assert r.returncode == 4, r.stdout[-3000:]
+    for s, k in ((2, 1), (3, 2), (4, 3)):
+        assert f"zerompi: step {s}: non-finite gradient norm ({k} in a row): update skipped" in r.stdout
+    assert r.stdout.count("zerompi: error: step 4: 3 steps in a row with a non-finite loss") == 1, r.stdout
+    assert "Traceback" not in r.stdout
+
+
+def test_second_sigint_ends_a_blocked_job_at_once(tmp_path):
+    """stop_grace_s = 120 s, so the first SIGINT alone would wait; the second ends the
+    job at once (exit 130), on the rank that got both."""
+    p, pids = _blocked_job(tmp_path, "wait-long")
+    try:
+        os.kill(pids[0], signal.SIGINT)
+        time.sleep(1.0)
+        assert p.poll() is None, "one SIGINT must not end a job that may still agree"
+        t_sig = time.monotonic()
+        os.kill(pids[0], signal.SIGINT)
+        out, _ = p.communicate(timeout=30)
+        took = time.monotonic() - t_sig
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 130, out[-3000:]
+    assert "[rank 0] zerompi watchdog: a second SIGINT: stopping now, without a checkpoint" in out, out[-3000:]
+    assert took < 10, took
+
+
+def test_fp16_loss_scale_collapse_is_one_line(tmp_path):
+    """fp16: every overflow is logged with the new scale; overflowing at fp16.min_scale
+    ends the job like a divergence (exit 4, one line)."""
+    r = run_mpi(2, [HANG, "nan-fp16", "2"], timeout=60, module=False, check=False)
+    assert r.returncode == 4, r.stdout[-3000:]
+    assert "zerompi: step 2: fp16 overflow, loss scale 4 -> 2: update skipped" in r.stdout, r.stdout[-3000:]
+    assert "zerompi: step 3: fp16 overflow, loss scale 2 -> 1: update skipped" in r.stdout
+    assert r.stdout.count("zerompi: error: fp16 gradients overflow (inf/nan) at the minimum loss scale") == 1
+    assert "Traceback" not in r.stdout
+
+
+def test_inspect_verifies_by_default(base_run, tmp_path):
+    """inspect verifies unless told not to; with --no-verify it still refuses statistics
+    of a checkpoint whose files are visibly damaged (they would read as zeros)."""
+    run_dir = copy_run(base_run, tmp_path)
+    ckpt = run_dir / "checkpoints" / "step_0000004"
+    f = ckpt / "rank-00001.h5"
+    f.write_bytes(f.read_bytes()[:-100])
+    cmd = [sys.executable, "-m", "zerompi.inspect", str(ckpt)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "failed verification" in p.stderr and "rank-00001.h5" in p.stderr, p.stderr
+    p = subprocess.run(cmd + ["--no-verify", "--tensor", "lm_head.weight"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "not printing --tensor statistics of a damaged checkpoint" in p.stderr, p.stderr
+    p = subprocess.run(cmd + ["--no-verify"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "verify: skipped" in p.stderr and "truncated" in p.stderr, p.stderr

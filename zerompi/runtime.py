@@ -89,6 +89,11 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
             rank = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
     except Exception:
         pass
+    if issubclass(exc_type, JobError):  # raised by every rank together: one line, from rank 0
+        if rank in ("", "[rank 0] "):
+            abort(f"zerompi: error: {exc}", exc.exit_code)
+        time.sleep(2.0)  # let rank 0 print before this rank's abort ends the job
+        abort("", exc.exit_code)
     code = 130 if exc_type is KeyboardInterrupt else 1
     if getattr(exc, "user_error", False):  # bad input (data_check.DataError): the message says it all
         msg, code = f"zerompi: error: {exc}", 2
@@ -110,7 +115,8 @@ def abort(message: str, code: int = 1) -> None:
             f.flush()
         except Exception:
             pass
-    _write_all(2, (message if message.endswith("\n") else message + "\n").encode("utf-8", "replace"))
+    if message:
+        _write_all(2, (message if message.endswith("\n") else message + "\n").encode("utf-8", "replace"))
     MPI = sys.modules.get("mpi4py.MPI")
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \

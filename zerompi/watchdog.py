@@ -271,7 +271,7 @@ def _check() -> None:
             and now - max(since, S.stop_at) > S.stop_grace_s:
         name = signal.Signals(sig).name
         _expire(f"{name} received, but {op}{at} has not completed in the {S.stop_grace_s:g} s since "
-                f"(zero.comm.stop_grace_s): the ranks cannot agree to checkpoint; exiting without one",
+                f"(zero.comm.stop_grace_s): the ranks cannot agree to checkpoint, so none is written",
                 128 + sig, op, step)
 
 

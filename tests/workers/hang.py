@@ -3,6 +3,9 @@ zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
 
 stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the
   others block in the next collective until the watchdog's deadline.
+wait-long: as wait, with stop_grace_s = 120: a second SIGINT must end it.
+nan-fp16: as nan in fp16 with a loss scale that reaches its minimum in 2 overflows.
+nan: rank 0 feeds NaN from step 2 on: the job stops after 3 skipped steps (Diverged).
 uneven: rank 1 takes 6 steps, rank 0 5 and then idles.
 wait: every rank writes its pid to PIDFILE.<rank>, trains, and rank N-1 stops itself at
   step 3; the test then signals mpiexec (SIGTERM to a blocked job).
@@ -24,8 +27,12 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
 cfg = {"stage": stage, "comm": {"timeout_s": 4.0, "startup_timeout_s": 60.0, "stop_grace_s": 2.0}}
-if mode == "wait":
+if mode == "nan-fp16":  # the scale collapses fast: 4 -> 2 -> 1, then overflow at the minimum
+    cfg.update(precision="fp16", fp16={"initial_scale": 4.0, "min_scale": 1.0, "hysteresis": 1})
+if mode in ("wait", "wait-long"):
     cfg["comm"]["timeout_s"] = 120.0  # the signal, not the deadline, must end it
+    if mode == "wait-long":
+        cfg["comm"]["stop_grace_s"] = 120.0  # only a second SIGINT can end it quickly
     watchdog.install_stop_signals()
     with open(f"{sys.argv[3]}.{rank}", "w") as f:
         f.write(str(os.getpid()))
@@ -33,11 +40,13 @@ engine = zerompi.initialize(model, cfg)
 x = torch.randn(4, 8)
 steps = 100000 if mode != "uneven" else 5 + (rank == 1)
 for step in range(steps):
-    if rank == size - 1 and step == 3 and mode != "uneven":
+    if rank == size - 1 and step == 3 and mode in ("stop-self", "wait", "wait-long"):
         print(f"rank {rank} stopping itself at step {step}", flush=True)
-        if mode == "wait":
+        if mode.startswith("wait"):
             open(f"{sys.argv[3]}.stopped", "w").close()
         os.kill(os.getpid(), signal.SIGSTOP)
+    if mode.startswith("nan") and rank == 0 and step >= 1:
+        x = torch.full((4, 8), float("nan"))  # one rank's NaN reaches every rank's gradient
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
