@@ -28,7 +28,7 @@ setup(
         # An MPI library from PyPI for machines without a site MPI (workstations, CI).
         "mpich": ["mpich"],
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
-        # transformers: stage-3 tests build a GPT-2 and a Llama from configs (no download);
+        # transformers: tests build BERT, T5, GPT-2, Llama, Mixtral from configs (no download);
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time
         "test": ["pytest>=7", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
     },

@@ -23,4 +23,5 @@ def test_from_pretrained_gpt2_loads_into_stage3_and_stage1(tmp_path):
     assert "key 'transformer.wpe.weight'" in a["shape"] and "(31, 32)" in a["shape"], a
     assert all(m.startswith("zerompi load_full_state_dict:") for k, m in a.items() if m)
     assert a["tied_one_name"] == ""  # the tied head's name alone loads the embedding
+    assert r["init_from_pretrained"] == {"partitioned": True, "same": True}
     assert len(r["partial_missing"]) == 12 and all(".h.1." in k for k in r["partial_missing"])

@@ -73,6 +73,15 @@ errors = {
     # tied: the head's key alone is enough (HF checkpoints often carry one name only)
     "tied_one_name": error_of(lambda d: d.pop("transformer.wte.weight")),
 }
+# from_pretrained itself under Init (every rank reads the files): partitioned, same weights
+with zerompi.Init({"stage": 3}):
+    built = tf.GPT2LMHeadModel.from_pretrained(a.dir)
+with zerompi.GatheredParameters(built):
+    mine = {k: v.clone() for k, v in built.state_dict().items()}
+res["init_from_pretrained"] = {
+    "partitioned": all(p.untyped_storage().nbytes() == 0 for p in built.parameters()),
+    "same": world.bcast(sd if rank == 0 else None).keys() == mine.keys()
+    and all(torch.equal(mine[k], v) for k, v in world.bcast(sd if rank == 0 else None).items())}
 eng = engine(3, "fp32")
 partial = eng.load_full_state_dict({k: v for k, v in sd.items() if ".h.1." not in k} if rank == 0
                                    else None, strict=False)

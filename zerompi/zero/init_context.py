@@ -44,7 +44,9 @@ class Session:
 
     # -------------------------------------------------------------- registration hooks
     def on_param(self, module: nn.Module, name: str, p):
-        if p is None or isinstance(p, ZeroInitParameter):
+        # meta parameters hold no values to partition (transformers' from_pretrained builds
+        # on meta, then puts loaded tensors in place past the hooks: they stay plain)
+        if p is None or isinstance(p, ZeroInitParameter) or p.device.type == "meta":
             return None
         ip.track(p, self.comm, module, name)
         self.added(p)

@@ -300,5 +300,6 @@ def materialize(p: ZeroInitParameter, overwrite: bool = False, timeout: float | 
 
 def evictable(p: ZeroInitParameter) -> bool:
     """No live view shares the storage (2 = the parameter + the probe's own reference)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)  # private: absent -> no view check
     s = raw(p).untyped_storage()
-    return torch._C._storage_Use_Count(s._cdata) <= 2
+    return count is None or count(s._cdata) <= 2
