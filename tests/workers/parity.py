@@ -99,7 +99,7 @@ for stage, init in runs:
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         }
     if stage == 3:  # units gathered for a peer only, summed over ranks (> 0: ranks diverged)
-        foreign = world.allreduce(engine.param_store.foreign, op=MPI.SUM)
+        foreign = world.allreduce(engine.param_store.rounds.foreign, op=MPI.SUM)
         if rank == 0:
             result[key]["foreign"] = foreign
 if rank == 0:

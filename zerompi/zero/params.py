@@ -31,6 +31,7 @@ class Plan:
     unit_names: list[str] = field(default_factory=list)
     unit_persistent: list[bool] = field(default_factory=list)
     unit_roots: list = field(default_factory=list)  # the module whose forward gathers each unit
+    model: nn.Module | None = None       # stage 3: names modules in error messages
 
 
 def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype) -> None:

@@ -12,26 +12,15 @@
     root forward post-hook -> release it; hook the outputs so that backward gathers again
     the unit's last gradient accumulated -> release it (gradients go through the
     per-bucket reduce-scatter of grads.py into the gradient shard)
-- Agreement rounds: what is gathered never depends on every rank running the same
-  modules in the same order (conditional branches, layers skipped by a data-dependent
-  flag, experts that get no token on some rank). A rank that needs a unit it does not
-  hold joins a *round*: one small all-reduce on a private communicator in which every
-  rank states the unit it needs now (if any), its next `prefetch_modules` units along
-  the order it saw last time, and whether it is done with the phase. From the result
-  every rank takes the same decisions: gather the lowest-numbered unit anyone needs,
-  plus every predicted unit all ranks agree on (the prefetch: in the static case every
-  rank predicts the same units and gathers run ahead of compute). A rank gathers units
-  only others need and frees them at once. A phase (forward, backward) ends with rounds
-  until every rank is done, so no rank moves on to other collectives while a peer still
-  needs it. Blocking waits inside backward (a full set of gradient buckets) keep serving
-  rounds (`serve`), so a peer waiting in a round never waits on this rank's bucket.
-  Gathers are keyed by the agreed unit, so ranks choosing different units can neither
-  hang nor receive each other's parameters.
+- Agreement rounds (rounds.py): what is gathered never depends on every rank running
+  the same modules in the same order. A rank that needs a unit it does not hold joins a
+  round; all ranks take the same gather decisions from it, prefetch included. A phase
+  (forward, backward) ends with rounds until every rank is done, and blocking waits
+  inside backward keep serving rounds (`serve`).
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterable
 
 import torch
@@ -39,10 +28,8 @@ import torch.nn as nn
 
 from . import flat, units as units_mod
 from .init_context import adopt
+from .rounds import Rounds
 from .params import Plan
-
-NONE = float(2 ** 52)  # "no unit" in a round (above any unit index)
-
 
 class _Unit:
     def __init__(self, idx: int, name: str, root, params: list[int], blocks: range,
@@ -76,15 +63,12 @@ class PartitionedParams:
     def __init__(self, plan: Plan, params: list, names: list[str], layout, state, comm, cfg,
                  owns_all: bool = False):
         self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
-        self.cfg = cfg.stage3
-        # Gathers on a private duplicate (counted with the group's traffic); rounds on
-        # another (control messages, not the paper's traffic).
+        self.cfg, self.model = cfg.stage3, plan.model
+        # Gathers on a private duplicate (counted with the group's traffic); rounds
+        # (rounds.py) on another (control messages, not the paper's traffic).
         self.gcomm = comm.split(0, comm.rank)
         if hasattr(comm, "_stats"):
             self.gcomm._stats = comm._stats
-        self.acomm = comm.split(0, comm.rank)
-        self.rounds = 0    # agreement rounds held
-        self.foreign = 0   # units gathered only because a peer needed them (divergence)
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
@@ -127,8 +111,8 @@ class PartitionedParams:
         self._seq: list[int] = []                     # this phase's unit requests
         self._trace: dict[str, list[int]] = {"forward": [], "backward": []}  # last time's
         self._cursor = 0
-        self._pending = None   # a round serve() posted and nobody completed yet
-        self._idle, self._backoff, self._next_post = False, 2e-5, 0.0
+        self.rounds = Rounds(comm.split(0, comm.rank), self.units, self.cfg.prefetch_modules,
+                             self._predictions, self._gather, self._release)
         self._hooks = []
         for u in self.units:
             if u.root is not None:
@@ -158,27 +142,14 @@ class PartitionedParams:
         self._phase, self._cursor, self._seq = phase, 0, []
 
     def _end(self, phase: str) -> None:
-        self._finish_pending()
-        while not self._round(done=True):  # sync: until every rank is done with the phase
-            pass
+        self.rounds.until_all_done()  # sync: no rank moves on while a peer needs it
         self._release_all()  # prefetched but unused units, and anything left gathered
         self._trace[phase] = self._seq
         self._phase = "idle"
 
     def serve(self) -> None:
-        """Called repeatedly while this rank waits on something else (grads.GradReducer
-        polls this instead of blocking): keeps a round posted, without blocking, so a
-        peer that needs a unit is never kept waiting. After a round in which nobody
-        needed anything, the next is posted only after a short, growing pause, so ranks
-        that all wait do not spin on rounds."""
-        if self._pending is not None:
-            if self._pending[0].test():
-                self._finish_pending()
-                self._next_post = time.monotonic() + (self._backoff if self._idle else 0.0)
-                self._backoff = min(2 * self._backoff, 1e-3) if self._idle else 2e-5
-            return
-        if time.monotonic() >= self._next_post:
-            self._pending = self._post(None, False)
+        """grads.GradReducer polls this instead of blocking (rounds.Rounds.serve)."""
+        self.rounds.serve()
 
     def after_update(self) -> None:
         """Only persistent units are kept gathered: refresh them from the new shards."""
@@ -202,62 +173,6 @@ class PartitionedParams:
             out.append(v)
         return out
 
-    def _post(self, want: _Unit | None, done: bool):
-        """This rank's contribution to the next round: [-want, (id, -id, -have) per
-        predicted unit, -done], reduced with max (see the module docstring)."""
-        k = self.cfg.prefetch_modules
-        preds = [] if done else self._predictions()
-        vals = [-(want.idx if want is not None else NONE)]
-        for j in range(k):
-            if j < len(preds):
-                v = preds[j]
-                vals += [v.idx, -v.idx, -float(v.state != "free")]
-            else:
-                vals += [NONE, -NONE, 0.0]
-        vals.append(-float(done))
-        buf = torch.tensor(vals, dtype=torch.float64)
-        h = self.acomm.all_reduce(buf, op="max", async_op=True)
-        mine = {v.idx for v in preds} | ({want.idx} if want is not None else set())
-        self.rounds += 1
-        return h, buf, mine
-
-    def _round(self, want: _Unit | None = None, done: bool = False) -> bool:
-        """One agreement round (collective over the group). True when every rank said it
-        is done with the phase."""
-        self._finish_pending()
-        h, buf, mine = self._post(want, done)
-        h.wait()  # sync: one small all-reduce per round
-        return self._decide(buf.tolist(), mine)
-
-    def _finish_pending(self) -> bool:
-        """Complete the round serve() posted, if any (rounds are processed in order)."""
-        if self._pending is None:
-            return False
-        h, buf, mine = self._pending
-        self._pending = None
-        h.wait()
-        return self._decide(buf.tolist(), mine)
-
-    def _decide(self, r: list[float], mine: set[int]) -> bool:
-        """The same decisions on every rank: gather the lowest unit anyone needs, and each
-        predicted unit that all ranks predict and not all hold."""
-        todo = [int(-r[0])] if -r[0] < NONE else []
-        for j in range(self.cfg.prefetch_modules):
-            hi, lo, all_have = r[1 + 3 * j], -r[2 + 3 * j], -r[3 + 3 * j]
-            if hi == lo < NONE and all_have < 1 and int(hi) not in todo:
-                todo.append(int(hi))
-        foreign = []
-        for idx in todo:
-            u = self.units[idx]
-            if u.state == "free" and idx not in mine:
-                foreign.append(u)
-                self.foreign += 1
-            self._gather(u, again=True)
-        for u in foreign:  # only a peer needed it
-            self._release(u)
-        self._idle = not todo
-        return -r[-1] >= 1.0
-
     def _fetch(self, u: _Unit) -> None:
         if u.persistent:
             return
@@ -269,9 +184,9 @@ class PartitionedParams:
             pass
         if u.state == "free":
             while u.state == "free":
-                self._round(want=u)
+                self.rounds.run(want=u)
         elif any(v.state == "free" for v in self._predictions()):
-            self._round()  # keep the prefetch window full
+            self.rounds.run()  # keep the prefetch window full
         self._wait(u)
 
     # ------------------------------------------------------------------ gather / release
@@ -341,41 +256,10 @@ class PartitionedParams:
 
     # ------------------------------------------------------------------ errors
     def explain(self, exc: BaseException) -> Exception | None:
-        """A clear error for a read of a released parameter (torch reports only an
-        empty storage): names the parameter when the failing frame holds it, the
-        module that read it, its unit, and what to change. None: not that error."""
-        if "storage of size 0" not in str(exc):
-            return None
-        released = {id(self.params[i]): (self.names[i], u) for u in self.units
+        """Our error for a read of a released parameter (units.explain_released_read)."""
+        released = {id(self.params[i]): (self.names[i], u.name) for u in self.units
                     if u.state == "free" for i in u.params}
-        roots = {id(u.root): u for u in self.units if u.root is not None}
-        top = next((u.root for u in self.units if u.name == "<root>"), None)
-        names = {id(m): n for n, m in top.named_modules()} if top is not None else {}
-        reader, hit, tb = None, None, exc.__traceback__
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
-        for f in reversed(frames):  # innermost first
-            for v in f.f_locals.values():
-                if hit is None and isinstance(v, torch.Tensor) and id(v) in released:
-                    hit = released[id(v)]
-            mod = f.f_locals.get("self")
-            if reader is None and isinstance(mod, nn.Module) and (id(mod) in names or id(mod) in roots):
-                reader = mod
-        where = f"module '{names.get(id(reader), '?')}' ({type(reader).__name__})" if reader else "the model"
-        what = f"parameter '{hit[0]}' of unit '{hit[1].name}'" if hit else "a released parameter"
-        if hit is None and reader is not None:
-            inside = [released[id(p)][0] for p in reader.parameters() if id(p) in released]
-            if inside:
-                what = "a released parameter (released now, under it: " + ", ".join(inside[:4]) + ")"
-        cls = type(reader).__name__ if reader is not None else "<the reading module's class>"
-        return RuntimeError(
-            f"zerompi stage 3: {where} read {what} outside the unit that gathers it (a unit's "
-            f"parameters are present only while the unit's root module runs). Make one unit "
-            f"cover the reader: add '{cls}' to zero.stage3.unit_classes (now "
-            f"{self.cfg.unit_classes!r}), or keep small parameters resident with "
-            f"zero.stage3.persistence_threshold")
+        return units_mod.explain_released_read(exc, released, self.model, self.cfg.unit_classes)
 
     # ------------------------------------------------------------------ whole-model access
     def full_state(self, all_ranks: bool) -> dict[str, torch.Tensor]:

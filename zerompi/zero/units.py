@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 import torch.nn as nn
 
 from .params import Plan
@@ -110,7 +111,7 @@ def plan(model: nn.Module, trainable: list, cfg) -> Plan:
     return Plan(order=[np for _, ps in units for np in ps], unit_sizes=[len(ps) for _, ps in units],
                 unit_names=[r if r != "" else "<root>" for r, _ in units],
                 unit_persistent=[r == PERSISTENT for r, _ in units],
-                unit_roots=[None if r == PERSISTENT else modules[r] for r, _ in units])
+                unit_roots=[None if r == PERSISTENT else modules[r] for r, _ in units], model=model)
 
 
 def _common_root(owners: set[str], roots: list[str]) -> str:
@@ -126,3 +127,37 @@ def _common_root(owners: set[str], roots: list[str]) -> str:
     while prefix and ".".join(prefix) not in roots:
         prefix.pop()
     return ".".join(prefix)
+
+
+def explain_released_read(exc: BaseException, released: dict, model: nn.Module,
+                          unit_classes: str) -> Exception | None:
+    """torch reports a read of a released parameter only as an empty storage. Our error
+    names the module that read it (the innermost model module on the traceback), the
+    parameter when a frame holds it (else the released ones under the reader), and the
+    config key to change. `released`: id(param) -> (name, unit name). None: not that error."""
+    if "storage of size 0" not in str(exc):
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    reader, hit, frames, tb = None, None, [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for f in reversed(frames):  # innermost first
+        for v in f.f_locals.values():
+            if hit is None and isinstance(v, torch.Tensor) and id(v) in released:
+                hit = released[id(v)]
+        mod = f.f_locals.get("self")
+        if reader is None and isinstance(mod, nn.Module) and id(mod) in names:
+            reader = mod
+    where = f"module '{names[id(reader)]}' ({type(reader).__name__})" if reader else "the model"
+    what = f"parameter '{hit[0]}' of unit '{hit[1]}'" if hit else "a released parameter"
+    if hit is None and reader is not None:
+        inside = [released[id(p)][0] for p in reader.parameters() if id(p) in released]
+        if inside:
+            what = "a released parameter (released now, under it: " + ", ".join(inside[:4]) + ")"
+    cls = type(reader).__name__ if reader is not None else "<the reading module's class>"
+    return RuntimeError(
+        f"zerompi stage 3: {where} read {what} outside the unit that gathers it (a unit's "
+        f"parameters are present only while the unit's root module runs). Make one unit "
+        f"cover the reader: add '{cls}' to zero.stage3.unit_classes (now {unit_classes!r}), "
+        f"or keep small parameters resident with zero.stage3.persistence_threshold")
