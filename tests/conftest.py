@@ -16,3 +16,11 @@ def slurm_cluster():
     # The context manager stops every daemon and cancels jobs even when tests fail.
     with SlurmCluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A 300 kB slice of the bundled corpus, tokenized once for the train-CLI tests."""
+    from zerompi.data import default_corpus
+
+    return str(default_corpus(tmp_path_factory.mktemp("cache"), max_bytes=300_000))

@@ -6,6 +6,7 @@ group is killed, so one broken test never hangs the suite.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,6 +79,29 @@ def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
     res = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     res.elapsed = time.monotonic() - t0
     return res
+
+
+@contextlib.contextmanager
+def running_job(cmd: list[str], ready, timeout: float = 60):
+    """Start CMD (stdout and stderr merged) in its own process group and wait until
+    `ready()` holds; yield the Popen for the test to signal. On exit the group is killed
+    if it still runs, so a failed assertion leaves nothing behind."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=mpi_env(), start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not ready():
+            if p.poll() is not None:
+                pytest.fail(f"ended (exit {p.returncode}) before it was ready: {' '.join(cmd)}\n"
+                            + p.communicate()[0][-3000:])
+            if time.monotonic() - t0 > timeout:
+                pytest.fail(f"not ready after {timeout}s: {' '.join(cmd)}")
+            time.sleep(0.005)
+        yield p
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
 
 
 def _run_mpi(n, argv, timeout, env, module, check) -> subprocess.CompletedProcess:

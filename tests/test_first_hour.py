@@ -128,13 +128,6 @@ FAST = ["--model.preset", "tiny", "--global_batch", "8", "--eval_interval", "0",
         "--checkpoint_interval", "0", "--log_interval", "25"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from zerompi.data import default_corpus
-
-    return str(default_corpus(tmp_path_factory.mktemp("cache"), max_bytes=200_000))
-
-
 def test_bar_on_a_terminal_lines_in_a_log(tmp_path, corpus):
     args = ["-m", "zerompi.train", "--data", corpus, "--max_steps", "30"] + FAST
     rc, out = _under_pty(["mpiexec", "-n", "2", sys.executable] + args + ["--run_dir", str(tmp_path / "a")])

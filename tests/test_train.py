@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from mpirun import launch, mpi_env, run_mpi
+from mpirun import launch, mpi_env, run_mpi, running_job
 
 TRAIN = ["-m", "zerompi.train"]
 # A few steps of the tiny model on a small private corpus (fast, no ~/.cache writes).
@@ -20,13 +19,6 @@ FAST = ["--model.preset", "tiny", "--global_batch", "8", "--max_steps", "30", "-
         "--lr_decay_steps", "30", "--zero.optimizer.lr", "3e-3", "--min_lr", "3e-4",
         "--eval_interval", "10", "--eval_batches", "2",
         "--checkpoint_interval", "0", "--log_interval", "10", "--progress", "lines", "--zero.stage", "2"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from zerompi.data import default_corpus
-
-    return str(default_corpus(tmp_path_factory.mktemp("cache"), max_bytes=300_000))
 
 
 def train(n, run_dir, corpus, *extra, check=True, timeout=60):
@@ -161,19 +153,10 @@ def test_signal_checkpoints_exits_124_and_rerun_matches(tmp_path, corpus, tiny_r
     run_dir = tmp_path / "int"
     cmd = ["mpiexec", "-n", "2", sys.executable] + TRAIN + FAST + [
         "--data", corpus, "--run_dir", str(run_dir)] + args
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=mpi_env(), start_new_session=True)
-    try:
-        path, t0 = run_dir / "metrics.jsonl", time.monotonic()
-        while not (path.exists() and len(path.read_text().splitlines()) >= 5):
-            assert p.poll() is None and time.monotonic() - t0 < 30, "run ended before the signal"
-            time.sleep(0.005)
+    path = run_dir / "metrics.jsonl"
+    with running_job(cmd, lambda: path.exists() and len(path.read_text().splitlines()) >= 5, 30) as p:
         os.killpg(p.pid, signal.SIGUSR1)  # as Slurm's --signal does; mpiexec forwards it
         out, _ = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
     assert p.returncode == 124, out[-3000:]
     assert "SIGUSR1 received" in out
     stopped_at = len(metrics(run_dir))

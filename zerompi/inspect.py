@@ -1,8 +1,8 @@
 """Look into a zerompi checkpoint without MPI or torch.
 
-    python -m zerompi.inspect CKPT                 # verify (sizes, sha256, coverage, structure),
+    python -m zerompi.inspect CKPT                 # verify (sizes, checksums, coverage, structure),
                                                    # then summary, config, tensor tree, owners
-    python -m zerompi.inspect CKPT --no-verify     # skip the sha256 pass (big checkpoints)
+    python -m zerompi.inspect CKPT --no-verify     # skip the checksum pass (big checkpoints)
     python -m zerompi.inspect CKPT --tensor emb.weight [--kind exp_avg]   # statistics
 
 CKPT is a checkpoint directory (DIR/TAG) or the directory above it (then DIR/latest).
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             problems = ver.check_files(ckpt, m, hash_share=None) + ver.check_coverage(m)
             for msg in problems:
                 print(f"WARNING: {msg}", file=sys.stderr)
-            print("verify: skipped (--no-verify): sha256 not checked", file=sys.stderr)
+            print("verify: skipped (--no-verify): checksums not checked", file=sys.stderr)
             if problems and a.tensor:  # statistics of missing pieces would be zeros
                 raise CheckpointError("not printing --tensor statistics of a damaged checkpoint")
         if a.tensor:
