@@ -261,6 +261,10 @@ def test_crash_two_ranks(tmp_path):
         finally:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
+            # hydra's proxy starts the ranks in a process group of their own: kill them by
+            # their command line too, as a node failure would, before the next job looks
+            while subprocess.run(["pkill", "-9", "-f", ck], capture_output=True).returncode == 0:
+                time.sleep(0.05)
         ready = next(ln for ln in seen if ln.startswith("ready"))
         assert trial == 0 or ready.split()[1] != "0", seen  # resumed from the previous job's save
         verify_checkpoint(ck)

@@ -311,3 +311,20 @@ def test_inspect_verifies_by_default(base_run, tmp_path):
     assert p.returncode == 1 and "not printing --tensor statistics of a damaged checkpoint" in p.stderr, p.stderr
     p = subprocess.run(cmd + ["--no-verify"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "verify: skipped" in p.stderr and "truncated" in p.stderr, p.stderr
+
+
+def test_a_zombie_owner_counts_as_gone():
+    """A killed rank whose parent is gone may stay a zombie (an init that does not reap, as
+    in some containers): its locks and temporary directories belong to nobody."""
+    from zerompi.rundir import _start_time
+
+    z = subprocess.Popen(["true"])  # exits at once; unreaped until wait(): a zombie
+    try:
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{z.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _start_time(z.pid) is None
+        assert _start_time(os.getpid()) is not None
+    finally:
+        z.wait()

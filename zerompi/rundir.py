@@ -46,12 +46,17 @@ def _me() -> dict:
 
 
 def _start_time(pid: int) -> str | None:
-    """Kernel start time of a process (guards against a recycled pid)."""
+    """Kernel start time of a live process (guards against a recycled pid); None when it
+    is gone or a zombie (dead: in containers whose init does not reap, killed ranks stay
+    zombies indefinitely)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 def describe(holder: dict) -> str:
