@@ -130,7 +130,7 @@ class ZeroEngine:
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
         self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype)
-        self.reducer.poll = getattr(self.param_store, "serve", None)
+        self.reducer.poll = self.param_store.serve
         self.micro_steps = 0      # engine.step() calls
         self.global_steps = 0     # optimizer updates applied
         self.skipped_steps = 0    # fp16 overflow skips
@@ -169,7 +169,7 @@ class ZeroEngine:
         try:
             yield
         except RuntimeError as e:
-            better = getattr(self.param_store, "explain", lambda e: None)(e)
+            better = self.param_store.explain(e)
             if better is None:
                 raise
             raise better from e

@@ -7,7 +7,8 @@ just in time.
 
 Both stores answer the same calls, so the engine never asks which one it has: plan(),
 start/finish_forward(), start/finish_backward(), after_update(), full_state(),
-gathered(), materialized(), memory_extra().
+gathered(), materialized(), memory_extra(), explain(), and `serve` (called while the
+reducer waits; None when there is nothing to serve).
 """
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ class ReplicatedParams:
 
     def finish_backward(self) -> None:
         pass
+
+    serve = None  # no gathers during forward/backward: the reducer may simply block
+
+    def explain(self, exc: BaseException) -> None:
+        """Parameters are never released here: no error of ours to explain."""
+        return None
 
     def after_update(self) -> None:
         """Every rank's working parameters from the owners' updated chunks."""
