@@ -55,3 +55,15 @@ def test_read_outside_the_unit_names_module_and_parameter():
     assert "module 'blocks.0' (_FBlock) read" in r.stdout, r.stdout[-3000:]
     assert "blocks.0.child.weight" in r.stdout and "zero.stage3.unit_classes" in r.stdout
     assert r.elapsed < 15
+
+
+def test_read_appearing_after_the_first_step_ends_the_job_quickly():
+    """The same read, first made on the second forward (flinear-late): the job still ends
+    with the message, on the step that made it, within 10 s."""
+    r = run_mpi(2, [str(WORKERS / "parity.py"), "--out", "/dev/null", "--model", "flinear-late",
+                    "--stages", "3", "--steps", "3", "--gas", "1", "--unit-classes", "Linear"],
+               timeout=60, check=False)
+    assert r.returncode != 0
+    assert "module 'blocks.0' (_FBlock) read" in r.stdout, r.stdout[-3000:]
+    assert "[optimizer step 2, micro-step 2]" in r.stdout
+    assert r.elapsed < 10

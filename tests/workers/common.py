@@ -73,8 +73,10 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return Odd()
     if kind == "shapes":
         return Shapes()
-    if kind in zoo.KINDS:  # the models of issue 13, transformers ones included
+    if kind in zoo.KINDS + zoo.LATE_KINDS:  # the models of issue 13, transformers ones included
         return zoo.make_zoo(kind, seed)
+    if kind not in ("gpt", "tiny"):
+        raise ValueError(f"unknown test model {kind!r}")
     from zerompi.models.gpt import GPT, PRESETS
 
     return GPT(PRESETS["tiny"])

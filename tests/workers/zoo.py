@@ -9,7 +9,8 @@ zerompi.Init must survive:
   tenc       nn.TransformerEncoder: MultiheadAttention reads out_proj.weight without
              calling out_proj; xavier_uniform_ imported by name; Embedding(padding_idx)
   flinear    a parent calling F.linear on its child's weight, never the child; a head
-             computed from the embedding's weight (tied by use, not by module)
+             computed from the embedding's weight (tied by use, not by module);
+             flinear-late reads the child only from the second forward on
   branch     a sub-module run only for rows whose data sets a flag, and a layer skipped
              when none of a rank's rows need it: ranks run different modules
   moe1/moe2  4 experts, top-1/top-2 routing; an expert that gets no token is not run,
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 VOCAB, DIM = 37, 32
 KINDS = ("tenc", "flinear", "branch", "moe1", "moe2",
          "hf-bert", "hf-t5", "hf-gpt2", "hf-llama", "hf-mixtral")
+# Built by build()/make_zoo() but not part of the parity zoo: changes behaviour between calls.
+LATE_KINDS = ("flinear-late",)
 
 
 def _lm_out(logits: torch.Tensor, targets):
@@ -55,22 +58,28 @@ class TEnc(nn.Module):
 
 
 class _FBlock(nn.Module):
-    """Uses `child`'s parameters through F.linear; `child` itself never runs."""
+    """Uses `child`'s parameters through F.linear; `child` itself never runs. With
+    `late`, the first forward leaves `child` out and only later ones read its weight (a
+    read that first appears after step 1, of parameters no step has gathered yet)."""
 
-    def __init__(self):
+    def __init__(self, late: bool = False):
         super().__init__()
         self.child = nn.Linear(DIM, DIM)
         self.norm = nn.LayerNorm(DIM)
+        self.calls = 0 if late else 1
 
     def forward(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            return x + torch.tanh(self.norm(x))
         return x + torch.tanh(F.linear(self.norm(x), self.child.weight, self.child.bias))
 
 
 class FLinear(nn.Module):
-    def __init__(self):
+    def __init__(self, late: bool = False):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(_FBlock() for _ in range(2))
+        self.blocks = nn.ModuleList(_FBlock(late) for _ in range(2))
         self.scale = nn.Parameter(torch.ones(DIM))
 
     def forward(self, idx, targets=None):
@@ -210,8 +219,8 @@ def build(kind: str) -> nn.Module:
     seed once themselves)."""
     if kind == "tenc":
         return TEnc()
-    if kind == "flinear":
-        return FLinear()
+    if kind in ("flinear", "flinear-late"):
+        return FLinear(late=kind == "flinear-late")
     if kind == "branch":
         return Branch()
     if kind in ("moe1", "moe2"):

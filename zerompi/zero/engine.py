@@ -172,7 +172,8 @@ class ZeroEngine:
             better = self.param_store.explain(e)
             if better is None:
                 raise
-            raise better from e
+            raise type(better)(f"{better} [optimizer step {self.global_steps + 1}, "
+                               f"micro-step {self.micro_steps + 1}]") from e
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
