@@ -203,12 +203,12 @@ def test_train_config_nested_in_a_file(tmp_path):
         train_config.load(p)
 
 
-def test_tensor_parallel_size_is_rejected_naming_the_key():
-    with pytest.raises(C.ConfigError, match=r"^config key 'tensor_parallel_size' = 2: "
-                                            r"tensor parallelism is not implemented yet"):
-        ZeroConfig(tensor_parallel_size=2)
-    with pytest.raises(C.ConfigError, match=r"^config key 'zero\.tensor_parallel_size' = 2: "):
-        C.load({"zero": {"tensor_parallel_size": 2}}, cls=TrainConfig)
+def test_tensor_parallel_size_is_validated_naming_the_key():
+    assert ZeroConfig(tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(C.ConfigError, match=r"^config key 'tensor_parallel_size' = 0: must be >= 1"):
+        ZeroConfig(tensor_parallel_size=0)
+    with pytest.raises(C.ConfigError, match=r"^config key 'zero\.tensor_parallel_size' = -2: "):
+        C.load({"zero": {"tensor_parallel_size": -2}}, cls=TrainConfig)
 
 
 @pytest.mark.parametrize("make,key", [

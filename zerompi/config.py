@@ -186,8 +186,9 @@ class ZeroConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     tensor_parallel_size: int = 1
-    """Ranks per tensor-parallel group (adjacent ranks); data parallelism runs across
-    groups. Only 1 is accepted until tensor parallelism lands (issue 15)."""
+    """Ranks per tensor-parallel group (adjacent ranks); data parallelism (and ZeRO's
+    partitioning) runs across groups. It must divide the number of ranks; the model must
+    be tensor-parallel already (zerompi.models.parallelize for the reference GPT)."""
     seed: int = 1234
     """Base seed; rank r seeds torch/numpy/random with seed + r."""
     max_nonfinite_steps: int = 3
@@ -216,9 +217,8 @@ class ZeroConfig:
             _fail("alignment", self.alignment, "must be a power of two")
         if self.max_nonfinite_steps < 0:
             _fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
-        if self.tensor_parallel_size != 1:
-            _fail("tensor_parallel_size", self.tensor_parallel_size,
-                  "tensor parallelism is not implemented yet (issue 15); must be 1")
+        if self.tensor_parallel_size < 1:
+            _fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
 
 
 # ---------------------------------------------------------------- loading

@@ -202,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     gpt_cfg = cfg.model.gpt_config()
     torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
     model = GPT(gpt_cfg)
+    n_params, n_total = model.num_params(non_embedding=True), model.num_params()  # before any tp split
+    if dims.tp_size > 1:
+        from .models.parallelize import parallelize
+
+        model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
     device = torch.device("cpu")
     if cfg.device == "cuda":  # visible on every rank: checked with the config
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)
     G = engine.gradient_accumulation_steps
     # Training FLOPs per token as GPT.flops_per_token, at the sequence length actually used.
-    flops_per_token = 6 * model.num_params(non_embedding=True) + 12 * gpt_cfg.n_layer * gpt_cfg.n_embd * T
+    flops_per_token = 6 * n_params + 12 * gpt_cfg.n_layer * gpt_cfg.n_embd * T  # whole model
     peak = cfg.peak_flops or threads * 100e9
     mfu_label = "mfu" if cfg.peak_flops else "mfu~"  # "~": against a guessed CPU peak
 
@@ -229,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step)
-        print(f"zerompi.train: {model.num_params() / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
-              f"{dims.world.size} ranks x {threads} threads, ZeRO stage {cfg.zero.stage} "
+        print(f"zerompi.train: {n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
+              f"{dims.world.size} ranks x {threads} threads"
+              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
+              + f", ZeRO stage {cfg.zero.stage} "
               f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
               f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens", flush=True)
         print(f"zerompi.train: run_dir {run_dir}; "

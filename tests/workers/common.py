@@ -101,7 +101,7 @@ def micro_slices(rows: int, gas: int, rank: int, world: int) -> list[slice]:
 
 
 def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, clip: float,
-                  micro: int = 1, wd: float = 0.01, groups: bool = False):
+                  micro: int = 1, wd: float = 0.01, groups: bool = False, grad_step: int = 0):
     """Single-process torch.optim.AdamW on the whole global batch; `micro` > 1 sums
     the same batch in that many pieces (same maths, other rounding: the noise floor)."""
     from zerompi.optim import decay_groups
@@ -119,7 +119,7 @@ def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, 
             (loss / micro).backward()
             total += loss.item() / micro
         params = [p for p in model.parameters() if p.requires_grad]
-        if step == 0:
+        if step == grad_step:
             grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         norms.append(float(norm))

@@ -53,7 +53,7 @@ def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
 
 
 def _check(engine, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, list[str]]:
-    comm = engine.comm
+    comm = engine.dims.world
     try:
         manifest = fmt.unseal(text, os.path.join(ckpt, fmt.MANIFEST))
         manifest["_path"] = ckpt
@@ -84,14 +84,15 @@ def _restore_rng(rng: dict) -> None:
 def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict | None:
     """Load into `engine`; returns the saved client_state (None when DIR has no
     checkpoint). verify=False skips the sha256 pass (sizes and structure still checked)."""
-    comm = engine.comm
+    comm = engine.dims.world
     ckpt, text = _locate(comm, directory, tag)
     if ckpt is None:
         return None
     manifest, errors = _check(engine, ckpt, text, verify)
     fmt.raise_agreed(comm, errors, _CONTEXT)
 
-    same_world = manifest["world_size"] == comm.size
+    same_world = (manifest["world_size"] == comm.size
+                  and manifest.get("tensor_parallel_size", 1) == engine.dims.tp_size)
     reader = PieceReader(ckpt, manifest)
     try:
         meta = own = None
@@ -117,5 +118,5 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
         _restore_rng(own["rng"])
     else:
         seed = int(engine.config.seed) + 1000003 * (int(meta["counters"]["global_steps"]) + 1)
-        runtime.seed_everything(seed, comm.rank)
+        runtime.seed_everything(seed, engine.rank)  # the dp rank, as at start-up
     return manifest["client_state"]

@@ -65,7 +65,8 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
         "zerompi_version": __version__, "torch_version": torch.__version__,
         "h5py_version": h5py.version.version, "hdf5_version": h5py.version.hdf5_version,
         "python_version": platform.python_version(),
-        "world_size": engine.comm.size, "stage": cfg.stage, "precision": cfg.precision,
+        "world_size": engine.dims.world.size,
+        "tensor_parallel_size": engine.dims.tp_size, "stage": cfg.stage, "precision": cfg.precision,
         "param_dtype": str(engine.dtype).replace("torch.", ""), "state_dtype": "float32",
         "kinds": list(engine.STATE_KINDS), "lowp_kind": lowp,
         "counters": infos[0]["counters"], "scaler": infos[0]["scaler"],
@@ -89,12 +90,12 @@ def _space_hint(e: Exception, path: str, engine, lowp: str | None) -> str:
     except OSError:
         free = ""
     return (f" (out of space: this rank's file needs about {need / 2**20:.1f} MiB, "
-            f"{engine.comm.size} rank files about {engine.comm.size * need / 2**20:.1f} MiB{free})")
+            f"{engine.dims.world.size} rank files about {engine.dims.world.size * need / 2**20:.1f} MiB{free})")
 
 
 def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
          keep_last: int | None = None) -> str:
-    comm = engine.comm
+    comm = engine.dims.world
     rank = comm.rank
     directory = os.path.abspath(os.fspath(directory))
     err, client_json = None, None

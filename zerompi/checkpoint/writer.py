@@ -31,7 +31,9 @@ PIECE_DTYPE = np.dtype([("name", h5py.string_dtype()), ("shape", h5py.string_dty
 def model_tensors(engine) -> list[tuple[str, tuple]]:
     """(name, full shape) of every trainable parameter, in model registration order (the
     one place to adapt if an engine's parameters stop carrying their full shape)."""
-    shapes = {n: tuple(p.shape) for n, p in zip(engine.param_names, engine.params)}
+    from ..parallel.tp_layout import full_shape
+
+    shapes = {n: full_shape(p) for n, p in zip(engine.param_names, engine.params)}
     return [(n, shapes[n]) for n, _ in engine.module.named_parameters() if n in shapes]
 
 
@@ -104,7 +106,7 @@ def rank_file_bytes(engine, lowp: str | None) -> int:
     from ..zero.state_io import STATE_KINDS, _exporting_segments
 
     elements = sum(s.length for s in _exporting_segments(engine))
-    extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(engine)) if engine.comm.rank == 0 else 0
+    extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(engine)) if engine.dims.world.rank == 0 else 0
     return elements * (4 * len(STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
 
 
@@ -126,7 +128,7 @@ def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
     allocates the state datasets contiguously; after it closes the file, the state's
     bytes go to those offsets with pwrite (_stream)."""
     state = engine.export_state(views=True)
-    rank, world = engine.comm.rank, engine.comm.size
+    rank, world = engine.dims.world.rank, engine.dims.world.size
     pieces, off = [], 0
     for name, shape, lo, hi in state["pieces"]:
         pieces.append((name, [int(d) for d in shape], int(lo), int(hi), off))

@@ -127,6 +127,11 @@ class ShardedAdamW:
             if lowp is not None:
                 lowp.copy_(p)
 
+    @property
+    def views(self) -> list:
+        """Per segment: (master, stored gradient, exp_avg, exp_avg_sq, low-precision copy)."""
+        return self._views
+
     def grad_sq_norm(self) -> float:
         """Squared L2 norm (float64) of the stored gradients of this rank's segments."""
         total = 0.0

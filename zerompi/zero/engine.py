@@ -35,6 +35,7 @@ from .params import ReplicatedParams, sync_untracked
 from .partitioned import PartitionedParams
 from .partition import Chunk, FlatLayout
 from .state import ShardState
+from .tensor_parallel_state import TPGrads, assemble_full
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class ZeroEngine:
         group_of = [owner.get(id(p), 0) for p in self.params]
 
         # sync: one pickled allgather at set-up, so diverging ranks fail here, named
-        runtime.check_same_everywhere(self.comm, config_mod.to_dict(cfg),
+        runtime.check_same_everywhere(dims.world, config_mod.to_dict(cfg),
                                       [(n, tuple(p.shape)) for n, p in plan.order])
         self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world,
                                           bucket_elements(cfg.bucket_size, self.world),
@@ -125,6 +126,7 @@ class ZeroEngine:
 
         self.optimizer = ShardedAdamW(build_segments(layout, own, group_of), self.state.views,
                                       groups, len(self.params))
+        self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
@@ -212,6 +214,7 @@ class ZeroEngine:
         if not boundary:
             return False
         scale = self.scaler.scale
+        self.tp_grads.average_replicated()  # sync (tp > 1): replicas of norms/biases stay equal
         sumsq, used = self._grad_stats()
         overflow = not math.isfinite(sumsq)
         self.scaler.update(overflow)  # fp16: raises Diverged at min_scale
@@ -240,12 +243,14 @@ class ZeroEngine:
 
     def _grad_stats(self) -> tuple[float, list[bool]]:
         """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
-        and which parameters got a gradient on any rank: one small all-reduce."""
-        local = self.optimizer.grad_sq_norm()
+        and which parameters got a gradient on any rank: one small all-reduce (over
+        dp x tp: a tp rank's split parameters are distinct, replicas count once)."""
+        local = self.tp_grads.sq_norm(self.optimizer.views)
         if self.parts.owns_all:
             local /= self.world  # every rank holds the whole reduced gradient
         # sync: one float64 all-reduce; every rank decides overflow/clipping identically
-        vals = self.comm.allreduce_scalars([local] + self.reducer.used)
+        comm = self.comm if self.dims.tp_size == 1 else self.dims.world
+        vals = comm.allreduce_scalars([local] + self.reducer.used)
         return vals[0], [v > 0 for v in vals[1:]]
 
     def _zero_grads(self) -> None:
@@ -261,8 +266,12 @@ class ZeroEngine:
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
         (on every rank with all_ranks=True); an empty dict on the other ranks."""
-        tracked = self.param_store.full_state(all_ranks)
-        if not (all_ranks or self.rank == 0):
+        tp = self.dims.tp
+        tracked = self.param_store.full_state(all_ranks or tp.size > 1)
+        if tp.size > 1:  # sync over tp: split parameters assembled at full shape
+            tracked = assemble_full(tracked, dict(zip(self.param_names, self.params)), tp,
+                                    root_only=not all_ranks)
+        if not (all_ranks or self.dims.rank == 0):
             return {}
         return {name: tracked[name] if name in tracked else p.detach().float().clone()
                 for name, p in _unique_params(self.module)}

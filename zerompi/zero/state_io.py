@@ -1,13 +1,17 @@
 """Engine state <-> checkpoint tensors, by parameter name and element range.
 
-Each element of every parameter is exported by exactly one rank (stage 0: rank 0 holds
-and writes all), so the checkpoint is independent of world size and stage; loading
-asks each rank for the ranges it owns now (needed_pieces) and fills them.
+Ranges are in the row-major order of the *full* tensor: a tensor-parallel parameter's
+local pieces map onto runs of the full tensor (parallel/tp_layout.py), padding left
+out. Each element of every parameter is exported by exactly one rank (stage 0: dp rank 0
+holds and writes all; a parameter replicated over tp: tp rank 0), so the checkpoint is
+independent of world size, tp size and stage; loading asks each rank for the ranges it
+owns now and fills them.
 """
 from __future__ import annotations
 
 import torch
 
+from ..parallel import tp_layout
 from . import flat
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -16,12 +20,22 @@ STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 def _exporting_segments(engine) -> list:
     if engine.parts.owns_all and engine.rank != 0:
         return []
-    return engine.optimizer.segments
+    segs = engine.optimizer.segments
+    if engine.dims.tp_rank != 0:  # replicas of tp-replicated parameters: tp rank 0 writes
+        segs = [s for s in segs if tp_layout.split_of(engine.params[s.param]) is not None]
+    return segs
+
+
+def _runs(engine, s) -> list[tuple[int, int, int]]:
+    """(full_lo, full_hi, offset within the segment) of segment s."""
+    p = engine.params[s.param]
+    return [(flo, fhi, llo - s.param_lo) for flo, fhi, llo in
+            tp_layout.full_ranges(tuple(p.shape), tp_layout.split_of(p), s.param_lo, s.param_lo + s.length)]
 
 
 def _pieces(engine, segments) -> list[tuple[str, tuple, int, int]]:
-    return [(engine.param_names[s.param], tuple(engine.params[s.param].shape), s.param_lo,
-             s.param_lo + s.length) for s in segments]
+    return [(engine.param_names[s.param], tp_layout.full_shape(engine.params[s.param]), flo, fhi)
+            for s in segments for flo, fhi, _ in _runs(engine, s)]
 
 
 def export_state(engine, views: bool = False) -> dict:
@@ -36,8 +50,9 @@ def export_state(engine, views: bool = False) -> dict:
     cols: dict[str, list] = {kind: [] for kind in STATE_KINDS}
     for s in segs:
         master, _, exp_avg, exp_avg_sq, _ = engine.state.views(s.shard_lo, s.flat_lo, s.length)
-        for kind, t in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
-            cols[kind].append(t.detach().float())
+        for flo, fhi, off in _runs(engine, s):
+            for kind, t in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
+                cols[kind].append(t.detach()[off:off + fhi - flo].float())
     tensors = cols if views else {kind: torch.cat(ts) if ts else torch.empty(0) for kind, ts in cols.items()}
     opt = engine.optimizer
     return {"pieces": _pieces(engine, segs), "tensors": tensors,
@@ -61,9 +76,12 @@ def import_state(engine, fetch, steps: dict, param_groups: list, scaler: dict, c
         raise RuntimeError("load the checkpoint between steps, not after backward()")
     for s in engine.optimizer.segments:
         master, _, exp_avg, exp_avg_sq, lowp = engine.state.views(s.shard_lo, s.flat_lo, s.length)
-        name, lo, hi = engine.param_names[s.param], s.param_lo, s.param_lo + s.length
+        name, runs = engine.param_names[s.param], _runs(engine, s)
         for kind, dst in zip(STATE_KINDS, (master, exp_avg, exp_avg_sq)):
-            dst.copy_(fetch(kind, name, lo, hi))
+            if len(runs) != 1 or runs[0][1] - runs[0][0] != s.length:
+                dst.zero_()  # tp padding (a vocabulary padded to 128 x tp) stays zero
+            for flo, fhi, off in runs:
+                dst[off:off + fhi - flo].copy_(fetch(kind, name, flo, fhi))
         if lowp is not None:
             lowp.copy_(master)
     opt = engine.optimizer
