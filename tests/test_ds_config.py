@@ -36,9 +36,11 @@ def test_supported_keys_map_onto_zero_config():
     assert (cfg.stage3.prefetch_modules, cfg.stage3.persistence_threshold, cfg.stage3.max_live_parameters) == \
         (1, 10000, 10**9)
     assert trainer == {"global_batch": 16}
+    ac = cfg.activation_checkpointing  # partition_activations -> Pa (activation_checkpointing.partition)
+    assert (ac.enabled, ac.partition, ac.cpu_offload, ac.contiguous) == (True, True, False, False)
     # Named: what zerompi does not do; not named: what it always does, or what is switched off.
     assert sorted(ignored) == sorted(["optimizer.params.torch_adam", "zero_optimization.allgather_bucket_size",
-                                      "activation_checkpointing.partition_activations", "steps_per_print"])
+                                      "steps_per_print"])
 
 
 def test_fp16_block_and_derived_accumulation():

@@ -153,6 +153,33 @@ class Stage3Config:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """ZeRO-R activation checkpointing of the model's blocks (the repeated children of a
+    ModuleList/Sequential, as stage 3's "auto" units): each block keeps only its input
+    and is recomputed during backward (docs/activation-checkpointing.md). DeepSpeed's
+    `activation_checkpointing` block maps onto this table."""
+
+    enabled: bool = False
+    """Checkpoint every block (keep its input, recompute it in backward)."""
+    partition: bool = False
+    """Pa: each tensor-parallel rank keeps 1/tp of every kept input and the slices are
+    all-gathered over tp before recomputation (DeepSpeed partition_activations). With
+    tensor_parallel_size 1 a logged no-op."""
+    cpu_offload: bool = False
+    """Pa+cpu: kept inputs (slices with partition) wait in host memory between forward
+    and backward; the next block's input is brought back one block ahead
+    (DeepSpeed cpu_checkpointing)."""
+    contiguous: bool = False
+    """MD: kept inputs live in one persistent preallocated buffer per dtype, sized on the
+    first step and reused (DeepSpeed contiguous_memory_optimization)."""
+
+    def __post_init__(self) -> None:
+        for k in ("partition", "cpu_offload", "contiguous"):
+            if getattr(self, k) and not self.enabled:
+                _fail(k, getattr(self, k), "needs activation_checkpointing.enabled = true")
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """Everything the engine needs. Field names of DESIGN.md section 4 are stable."""
 
@@ -185,6 +212,7 @@ class ZeroConfig:
     fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     tensor_parallel_size: int = 1
     """Ranks per tensor-parallel group (adjacent ranks); data parallelism (and ZeRO's
     partitioning) runs across groups. It must divide the number of ranks; the model must

@@ -18,7 +18,12 @@ from .config import ConfigError
 # Top-level keys that mark a dict as a DeepSpeed config (none is a zerompi key; "fp16"
 # and "optimizer" are both, so they mark only in DeepSpeed's shape).
 _MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "bf16", "bfloat16",
-            "steps_per_print", "zero_allow_untested_optimizer", "activation_checkpointing", "amp", "scheduler")
+            "steps_per_print", "zero_allow_untested_optimizer", "amp", "scheduler")
+# DeepSpeed's activation_checkpointing keys ("activation_checkpointing" is a zerompi
+# table too: it marks a DeepSpeed config only with these inside).
+_AC_KEYS = {"partition_activations": "partition", "cpu_checkpointing": "cpu_offload",
+            "contiguous_memory_optimization": "contiguous"}
+_AC_IGNORED = {"number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
 
 # Ignored without changing the math: DeepSpeed's logging, profiling and engine knobs.
 _IGNORED_TOP = {"steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
@@ -44,8 +49,9 @@ class DeepSpeedConfigWarning(UserWarning):
 def looks_like_deepspeed(data: Any) -> bool:
     if not isinstance(data, Mapping) or "stage" in data or "precision" in data:
         return False  # zerompi's own top-level keys
-    fp16, opt = data.get("fp16"), data.get("optimizer")
-    return (any(k in data for k in _MARKERS) or (isinstance(fp16, Mapping) and "enabled" in fp16)
+    fp16, opt, ac = data.get("fp16"), data.get("optimizer"), data.get("activation_checkpointing")
+    return (any(k in data for k in _MARKERS)
+            or (isinstance(ac, Mapping) and any(k in ac for k in (*_AC_KEYS, *_AC_IGNORED))) or (isinstance(fp16, Mapping) and "enabled" in fp16)
             or (isinstance(opt, Mapping) and ("type" in opt or "params" in opt)))
 
 
@@ -150,6 +156,23 @@ def _zero(ds: Mapping, out: dict, ignored: list[str]) -> None:
         ignored.append(f"zero_optimization.{k}")
 
 
+def _activation_checkpointing(ds: Mapping, out: dict, ignored: list[str]) -> None:
+    """partition_activations / cpu_checkpointing / contiguous_memory_optimization switch
+    on our activation_checkpointing (DeepSpeed checkpoints where the model calls
+    deepspeed.checkpointing.checkpoint; zerompi checkpoints the model's repeated blocks)."""
+    ac = ds.get("activation_checkpointing") or {}
+    mapped = {}
+    for k, v in ac.items():
+        if k in _AC_KEYS:
+            if not isinstance(v, bool):
+                raise ConfigError(f"activation_checkpointing.{k}", v, "expected true or false")
+            mapped[_AC_KEYS[k]] = v
+        elif v not in (False, None, 0):
+            ignored.append(f"activation_checkpointing.{k}" + ("" if k in _AC_IGNORED else " (unknown to zerompi)"))
+    if any(mapped.values()):
+        out["activation_checkpointing"] = {"enabled": True, **mapped}
+
+
 def _batch(ds: Mapping, out: dict, world_size) -> dict:
     """gradient_accumulation_steps and the global batch, as DeepSpeed derives them:
     train_batch_size = micro_batch_per_gpu * gradient_accumulation_steps * world size."""
@@ -204,8 +227,7 @@ def translate(ds: Mapping, world_size=_world_size) -> tuple[dict, dict, list[str
     comm = ds.get("communication_data_type")
     if comm is not None:
         out["reduce_dtype"] = "fp32" if comm in ("fp32", "float32") else "param"
-    ac = ds.get("activation_checkpointing") or {}
-    ignored += [f"activation_checkpointing.{k}" for k, v in ac.items() if v not in (False, None, 0)]
+    _activation_checkpointing(ds, out, ignored)
     trainer = _batch(ds, out, world_size)
     known = {"bf16", "bfloat16", "fp16", "amp", "optimizer", "zero_optimization", "gradient_clipping",
              "scheduler", "data_types", "communication_data_type", "activation_checkpointing",

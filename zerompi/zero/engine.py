@@ -29,6 +29,7 @@ from .. import runtime, watchdog
 from ..config import ZeroConfig
 from ..device import Placement
 from ..optim import ShardedAdamW, build_groups, build_segments
+from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler
 from . import flat, grads, load_full, state_io
 from .params import ReplicatedParams, sync_untracked
@@ -123,6 +124,8 @@ class ZeroEngine:
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        self.comm, cfg, owns_all=parts.owns_all)
         sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
+        ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
+        self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
         self.optimizer = ShardedAdamW(build_segments(layout, own, group_of), self.state.views,
                                       groups, len(self.params))
@@ -293,6 +296,7 @@ class ZeroEngine:
         rep = self.state.memory_report()
         rep["buffers"] = self.reducer.buffer_bytes()
         rep.update(self.param_store.memory_extra())
+        rep.update(activations.memory_report(self.activations))  # peak kept checkpoint bytes (or arena)
         # Gradients autograd holds outside our buffers right now (between hooks).
         rep["loose_grads"] = sum(flat.nbytes(p.grad) for p in self.params
                                  if p.grad is not None and self.state.flat_grad is None)
