@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "PRESETS", "GPT", "count_params"]
+__all__ = ["GPTConfig", "PRESETS", "GPT", "count_params", "cross_entropy_fp32"]
 
 
 @dataclass(frozen=True)
@@ -72,24 +72,33 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy computed in fp32: bf16/fp16 logits lose too much precision
+    in a softmax over a large vocabulary."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        # (B, T, C) -> (B, nh, T, hs)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Widths come from the tensors, so a c_attn holding only some heads' q, k, v rows
+        # (models/parallelize.py) works unchanged.
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # (B, T, heads * hs) -> (B, heads, T, hs)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.c_proj(y))
 
 
@@ -130,6 +139,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter object
+        # (logits, targets) -> scalar loss; replaceable (models/parallelize.py swaps in the
+        # vocab-parallel cross-entropy). A plain function, not a module: no parameters.
+        self.loss_fn = cross_entropy_fp32
         self._init_weights()
 
     @torch.no_grad()
@@ -170,9 +182,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        # fp32 softmax: bf16/fp16 logits lose too much precision over a large vocab.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, self.loss_fn(logits, targets)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count, tied weight counted once. ``non_embedding`` drops
