@@ -269,9 +269,9 @@ class ZeroEngine:
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
         (on every rank with all_ranks=True); an empty dict on the other ranks."""
-        tp = self.dims.tp
-        tracked = self.param_store.full_state(all_ranks or tp.size > 1)
-        if tp.size > 1:  # sync over tp: split parameters assembled at full shape
+        tp, split = self.dims.tp, self.tp_grads.any_split
+        tracked = self.param_store.full_state(all_ranks or split)
+        if split:  # sync over tp: split parameters assembled at full shape, padding cut
             tracked = assemble_full(tracked, dict(zip(self.param_names, self.params)), tp,
                                     root_only=not all_ranks)
         if not (all_ranks or self.dims.rank == 0):

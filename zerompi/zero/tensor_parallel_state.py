@@ -20,6 +20,7 @@ from ..parallel import tp_layout
 class TPGrads:
     def __init__(self, params: list, segments: list, views: list, tp):
         self.tp = tp
+        self.any_split = any(tp_layout.split_of(p) is not None for p in params)  # a tp model (any tp size)
         rep = [tp_layout.split_of(params[s.param]) is None for s in segments]
         self.weights = [1.0 / tp.size if r else 1.0 for r in rep]
         self.replicated = [views[k][1] for k, r in enumerate(rep) if r]
@@ -49,8 +50,9 @@ def assemble_full(tracked: dict[str, torch.Tensor], params: dict, tp, root_only:
                   ) -> dict[str, torch.Tensor]:
     """Full tensors from every tp rank's local full-precision tensors (`tracked`, keyed by
     name, present on every rank of the tp group). Collective over tp. Returns them on tp
-    rank 0 (every tp rank unless root_only)."""
-    if tp.size == 1:
+    rank 0 (every tp rank unless root_only). Padding (a vocabulary padded to 128 x tp,
+    also at tp = 1) is cut off."""
+    if not any(tp_layout.split_of(p) is not None for p in params.values()):
         return tracked
     splits = tp.allgather_object({n: tp_layout.split_of(p) for n, p in params.items() if n in tracked})
     out = {}
