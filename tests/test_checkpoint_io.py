@@ -115,3 +115,26 @@ def test_diverged_state_is_refused_naming_the_tensor(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="diverged state: exp_avg of 1.weight"):
         save(eng, tmp_path, tag="bad")
     assert sorted(os.listdir(tmp_path)) == ["good", "latest"]  # nothing left of the refused save
+
+
+def test_version_1_manifests_with_digest_entries_still_verify(tmp_path):
+    """Checkpoints written after the switch to CRC-32 blocks but before the version bump
+    say format_version 1 and carry "digest"; a future version is refused by number."""
+    import json
+
+    import zerompi
+    from zerompi.checkpoint import CheckpointError, save, verify_checkpoint
+
+    torch.manual_seed(0)
+    eng = zerompi.initialize(torch.nn.Linear(20, 30), {"stage": 2, "precision": "fp32"})
+    path = save(eng, tmp_path, tag="t")
+    mpath = os.path.join(path, fmt.MANIFEST)
+    m = json.loads(open(mpath).read())
+    for version, ok in ((1, True), (3, False)):
+        with open(mpath, "w") as f:
+            f.write(json.dumps(fmt.seal(dict(m, format_version=version))))
+        if ok:
+            assert verify_checkpoint(path)["format_version"] == 1
+        else:
+            with pytest.raises(CheckpointError, match="format version 3, this zerompi reads versions 1, 2"):
+                verify_checkpoint(path)
