@@ -14,7 +14,8 @@ Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
 Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
 training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
 file per rank + index.h5 + manifest, fsynced, checksums (CRC-32 per 64 MiB block)
-computed on save and verified on load. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
+computed from memory while saving (state written with O_DIRECT where the filesystem
+allows it) and verified on load. Each job records the load average before and after it. torch: one process, torch.save({"model", "optimizer"}) then fsync; torch.load
 (weights_only=True) + load_state_dict. DeepSpeed (when importable; --ds-python names an
 interpreter that has it): ZeRO stage 2 on CPU with gloo, engine.save_checkpoint then
 os.sync() (DeepSpeed does not fsync), engine.load_checkpoint. Loads are timed after
@@ -257,13 +258,14 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     if system != "torch":
         cmd = ["mpiexec", "-n", str(n)] + cmd
     env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    load = {"load_avg_before": [round(x, 2) for x in load0], "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     shutil.rmtree(ckdir, ignore_errors=True)
     if p.returncode != 0:
-        return {"system": system, "n": n, "error": (p.stdout + p.stderr)[-2000:]}
+        return {"system": system, "n": n, "error": (p.stdout + p.stderr)[-2000:], **load}
     res = json.loads(out.read_text())
-    return dict(summarize(res, n), system=system, job_seconds=round(time.time() - t0, 1),
+    return dict(summarize(res, n), system=system, job_seconds=round(time.time() - t0, 1), **load,
                 **({"version": res["version"]} if "version" in res else {}))
 
 

@@ -2,7 +2,9 @@
 
 1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
 2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
-3. each rank writes rank-XXXXX.h5, then fsyncs and checksums it (format.digest_file) at once;
+3. each rank writes rank-XXXXX.h5, checksumming its bytes from memory as they are
+   written (writer._stream: CRC-32 per 64 MiB block, as format.digest_file computes),
+   and fsyncs it;
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
 5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
@@ -127,8 +129,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     info, err = None, None
     path = os.path.join(tmp, fmt.rank_file(rank))
     try:
-        info = write_rank_file(path, engine, tag, lowp)
-        info["digest"], info["size"] = fmt.fsync_and_hash(path, fmt.hash_threads(min(comm.size, os.cpu_count() or 1)))
+        info = write_rank_file(path, engine, tag, lowp)  # fsynced; with its digest and size
     except Exception as e:  # disk full, permissions... : every rank must hear of it
         err = f"{path}: {type(e).__name__}: {e}" + _space_hint(e, path, engine, lowp)
         try:
