@@ -142,7 +142,39 @@ def install_abort_hook() -> None:
 def init() -> Any:
     """Initialise MPI (idempotent), install the abort hook, return COMM_WORLD."""
     install_abort_hook()
+    fix_mmap_threshold()
     return mpi().COMM_WORLD
+
+
+MMAP_THRESHOLD = 128 << 10
+_mmap_fixed = False
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def fix_mmap_threshold() -> None:
+    """Pin glibc's mmap threshold at 128 KiB (once per process; a no-op off glibc, or when
+    the user set MALLOC_MMAP_THRESHOLD_ or ZEROMPI_MALLOC=default).
+
+    glibc raises its threshold to the size of every large block it frees (up to 32 MiB),
+    so after the first freed gathered unit or activation, blocks of that size come from
+    the heap, and training's short-lived activations, gathered units and gradients
+    interleave there with longer-lived pieces: freed memory cannot go back to the OS.
+    Measured (135M GPT, stage 3, N = 4, "vm"): peak RSS in steps 1.56-1.60 GiB per rank
+    with the dynamic threshold, 1.12 GiB pinned at 128 KiB (1 MiB: 1.18, 8 MiB: 1.21)."""
+    global _mmap_fixed
+    if _mmap_fixed or "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("ZEROMPI_MALLOC") == "default":
+        return
+    _mmap_fixed = True
+    try:
+        _libc().mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD; also stops its dynamic growth
+    except (OSError, AttributeError):
+        pass
 
 
 def release_free_memory() -> None:
@@ -153,12 +185,8 @@ def release_free_memory() -> None:
     them in the heap; glibc's rising mmap threshold keeps that memory in the process.
     Measured: a 100M-parameter model under Init at N = 4 kept ~1.2 GB per rank instead
     of ~0.7 GB until trimmed."""
-    import ctypes
-    import ctypes.util
-
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
