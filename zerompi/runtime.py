@@ -158,17 +158,19 @@ def _libc():
 
 
 def fix_mmap_threshold() -> None:
-    """Pin glibc's mmap threshold at 128 KiB (once per process; a no-op off glibc, or when
-    the user set MALLOC_MMAP_THRESHOLD_ or ZEROMPI_MALLOC=default).
+    """With ZEROMPI_MALLOC=return (and MALLOC_MMAP_THRESHOLD_ unset), pin glibc's mmap
+    threshold at 128 KiB, once per process: a memory-for-time trade, off by default.
 
     glibc raises its threshold to the size of every large block it frees (up to 32 MiB),
     so after the first freed gathered unit or activation, blocks of that size come from
-    the heap, and training's short-lived activations, gathered units and gradients
-    interleave there with longer-lived pieces: freed memory cannot go back to the OS.
-    Measured (135M GPT, stage 3, N = 4, "vm"): peak RSS in steps 1.56-1.60 GiB per rank
-    with the dynamic threshold, 1.12 GiB pinned at 128 KiB (1 MiB: 1.18, 8 MiB: 1.21)."""
+    the heap, where short-lived activations, gathered units and gradients interleave and
+    freed memory cannot go back to the OS. Pinned, they are mmapped and returned at once,
+    but every fresh page then costs a fault. Measured on "vm" (stage 3,
+    benchmarks/results/compare_mmap_threshold.*): 135M GPT at N = 4, peak RSS in steps
+    1.67 -> 1.13 GiB per rank, step time 9.9 -> 11.4 s; geometric mean over 17M/135M at
+    N = 2, 4: RSS x0.79, step time x1.24."""
     global _mmap_fixed
-    if _mmap_fixed or "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("ZEROMPI_MALLOC") == "default":
+    if _mmap_fixed or "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("ZEROMPI_MALLOC") != "return":
         return
     _mmap_fixed = True
     try:

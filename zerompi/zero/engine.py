@@ -88,7 +88,7 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
-        runtime.fix_mmap_threshold()  # transient buffers go back to the OS (runtime.py)
+        runtime.fix_mmap_threshold()  # ZEROMPI_MALLOC=return: less RSS, slower steps (runtime.py)
         if dims is None:
             from ..parallel import ParallelDims
             dims = ParallelDims.from_config(cfg)
