@@ -1,8 +1,11 @@
 """Communicator over mpi4py's buffer (uppercase) calls: no pickling in the hot path.
 
-Tensors are CPU torch tensors (or numpy arrays), passed to MPI zero-copy. bf16/fp16 have
-no MPI reduction type: they are moved as 16-bit integers and summed by torch, which the
-'ordered' reduce-scatter does anyway.
+Tensors are CPU torch tensors (or numpy arrays), passed to MPI zero-copy; with
+device_buffers=True (a CUDA-aware MPI, see device.cuda_aware_mpi) CUDA tensors too, after
+synchronising torch's current stream. Without a CUDA-aware MPI, staged.py moves CUDA
+tensors through pinned host buffers. bf16/fp16 have no MPI reduction type: they are
+moved as 16-bit integers and summed by torch, which the 'ordered' reduce-scatter does
+anyway.
 
 reduce_scatter 'ordered' (the default) is an alltoall followed by a sum in rank order
 0..N-1 on the receiver: the pairwise-exchange algorithm, same bytes on the wire as any
@@ -49,19 +52,25 @@ def _mpi_type(dtype: torch.dtype):
         raise TypeError(f"no MPI datatype for {dtype}") from None
 
 
-def _arr(t: Any, name: str):
+def _arr(t: Any, name: str, device_ok: bool = False):
     """Zero-copy MPI buffer spec of a contiguous CPU tensor (or a numpy array).
 
     Built from the raw address rather than tensor.numpy(): numpy export marks a torch
     storage non-resizable for good, and stage 3 frees gathered parameters by resizing
-    their storage. The caller keeps the tensor alive until the operation completes."""
+    their storage. The caller keeps the tensor alive until the operation completes.
+
+    device_ok (CUDA-aware MPI only): a CUDA tensor's device address is passed as is.
+    MPI knows nothing of CUDA streams, so torch's current stream on that device is
+    synchronised first: kernels that produce (or still read) the buffer are done."""
     if isinstance(t, np.ndarray):
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or numpy array, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name}: MPI communicator needs CPU tensors, got {t.device} "
-                         "(GPU tensors go through comm.backend=nccl or a CUDA-aware MPI)")
+        if not (device_ok and t.device.type == "cuda"):
+            raise ValueError(f"{name}: MPI communicator needs CPU tensors, got {t.device} "
+                             "(GPU tensors go through comm.backend=nccl or a CUDA-aware MPI)")
+        torch.cuda.current_stream(t.device).synchronize()
     if not t.is_contiguous():
         raise ValueError(f"{name}: tensor must be contiguous")
     buf = _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
@@ -79,7 +88,8 @@ class MPICommunicator:
 
     backend = "mpi"
 
-    def __init__(self, comm: Any = None, reduce_scatter: str = "ordered", _dup: bool = True):
+    def __init__(self, comm: Any = None, reduce_scatter: str = "ordered", _dup: bool = True,
+                 device_buffers: bool = False):
         MPI = _mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         # A private duplicate keeps our traffic apart from the user's own messages.
@@ -90,6 +100,8 @@ class MPICommunicator:
         if reduce_scatter not in ("ordered", "native"):
             raise ValueError(f"reduce_scatter algorithm {reduce_scatter!r}: ordered or native")
         self.algorithm = reduce_scatter
+        # CUDA-aware MPI (device.cuda_aware_mpi()): CUDA tensors go to MPI directly
+        self.device_buffers = device_buffers
         self._stats = CommStats()
 
     # ------------------------------------------------------------ helpers
@@ -99,6 +111,9 @@ class MPICommunicator:
             return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "lor": MPI.LOR}[op]
         except KeyError:
             raise ValueError(f"reduction op {op!r}: one of {_OPS}") from None
+
+    def _buf(self, t: Any, name: str):
+        return _arr(t, name, self.device_buffers)
 
     def _run(self, opname: str, req, async_op: bool, finish=None, keep=()):
         h = Handle(self._stats, opname, req.Wait, req.Test, finish)
@@ -121,18 +136,19 @@ class MPICommunicator:
                 and n % self.size == 0 and n >= self.size:
             c = n // self.size
             mine = t[self.rank * c:(self.rank + 1) * c]
-            if scratch is None or scratch.numel() < n or scratch.dtype != t.dtype:
-                scratch = torch.empty(n, dtype=t.dtype)
+            if scratch is None or scratch.numel() < n or scratch.dtype != t.dtype \
+                    or scratch.device != t.device:
+                scratch = torch.empty(n, dtype=t.dtype, device=t.device)
             scratch = scratch[:n]
-            req = self.comm.Ialltoall(_arr(t, "all_reduce"), _arr(scratch, "scratch"))
+            req = self.comm.Ialltoall(self._buf(t, "all_reduce"), self._buf(scratch, "scratch"))
 
             def finish():
                 self._ordered_sum(scratch.view(self.size, c), mine)
-                self.comm.Allgather(MPIIN(), _arr(t, "all_reduce"))
+                self.comm.Allgather(MPIIN(), self._buf(t, "all_reduce"))
 
             return self._run("all_reduce", req, async_op, finish, keep=(t, scratch))
         _reducible(t, "all_reduce")
-        req = self.comm.Iallreduce(MPIIN(), _arr(t, "all_reduce"), op=self._op(op))
+        req = self.comm.Iallreduce(MPIIN(), self._buf(t, "all_reduce"), op=self._op(op))
         return self._run("all_reduce", req, async_op, keep=(t,))
 
     @staticmethod
@@ -160,15 +176,16 @@ class MPICommunicator:
             recv.copy_(send)
             return DoneHandle() if async_op else None
         if self.algorithm == "ordered" and op == "sum":
-            if scratch is None or scratch.numel() < send.numel() or scratch.dtype != send.dtype:
-                scratch = torch.empty(send.numel(), dtype=send.dtype)
+            if scratch is None or scratch.numel() < send.numel() or scratch.dtype != send.dtype \
+                    or scratch.device != send.device:
+                scratch = torch.empty(send.numel(), dtype=send.dtype, device=send.device)
             tmp = scratch[:send.numel()]
-            req = self.comm.Ialltoall(_arr(send, "send"), _arr(tmp, "scratch"))
+            req = self.comm.Ialltoall(self._buf(send, "send"), self._buf(tmp, "scratch"))
             return self._run("reduce_scatter", req, async_op,
                              lambda: self._ordered_sum(tmp.view(self.size, n), recv),
                              keep=(send, tmp, recv))
         _reducible(send, "reduce_scatter")
-        req = self.comm.Ireduce_scatter_block(_arr(send, "send"), _arr(recv, "recv"), op=self._op(op))
+        req = self.comm.Ireduce_scatter_block(self._buf(send, "send"), self._buf(recv, "recv"), op=self._op(op))
         return self._run("reduce_scatter", req, async_op, keep=(send, recv))
 
     def all_gather(self, send, recv, async_op: bool = False):
@@ -184,8 +201,8 @@ class MPICommunicator:
             if not inplace:
                 recv.copy_(send)
             return DoneHandle() if async_op else None
-        sbuf = MPIIN() if inplace else _arr(send, "send")
-        req = self.comm.Iallgather(sbuf, _arr(recv, "recv"))
+        sbuf = MPIIN() if inplace else self._buf(send, "send")
+        req = self.comm.Iallgather(sbuf, self._buf(recv, "recv"))
         return self._run("all_gather", req, async_op, keep=(send, recv))
 
     def all_to_all(self, send, recv, async_op: bool = False):
@@ -197,7 +214,7 @@ class MPICommunicator:
         if self.size == 1:
             recv.copy_(send)
             return DoneHandle() if async_op else None
-        req = self.comm.Ialltoall(_arr(send, "send"), _arr(recv, "recv"))
+        req = self.comm.Ialltoall(self._buf(send, "send"), self._buf(recv, "recv"))
         return self._run("all_to_all", req, async_op, keep=(send, recv))
 
     def gather(self, send, recv, root: int = 0) -> None:
@@ -209,7 +226,7 @@ class MPICommunicator:
             return
         t0 = time.perf_counter()
         with waiting("gather"):
-            self.comm.Gather(_arr(send, "send"), _arr(recv, "recv") if self.rank == root else None, root=root)
+            self.comm.Gather(self._buf(send, "send"), self._buf(recv, "recv") if self.rank == root else None, root=root)
         self._stats.add_time("gather", time.perf_counter() - t0)
 
     def broadcast(self, t, root: int = 0) -> None:
@@ -219,7 +236,7 @@ class MPICommunicator:
             return
         t0 = time.perf_counter()
         with waiting("broadcast"):
-            self.comm.Bcast(_arr(t, "broadcast"), root=root)
+            self.comm.Bcast(self._buf(t, "broadcast"), root=root)
         self._stats.add_time("broadcast", time.perf_counter() - t0)
 
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]:
@@ -234,7 +251,7 @@ class MPICommunicator:
         if self.size > 1:
             t0 = time.perf_counter()
             with waiting("all_reduce"):
-                self.comm.Allreduce(MPIIN(), _arr(buf, "scalars"), op=_mpi().SUM)
+                self.comm.Allreduce(MPIIN(), self._buf(buf, "scalars"), op=_mpi().SUM)
             self._stats.add_time("all_reduce", time.perf_counter() - t0)
 
     def barrier(self) -> None:
@@ -244,7 +261,11 @@ class MPICommunicator:
     def split(self, color: int, key: int | None = None) -> "MPICommunicator":
         with waiting("split"):
             sub = self.comm.Split(color, self.rank if key is None else key)
-        return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False)
+        return self._from_split(sub)
+
+    def _from_split(self, sub) -> "MPICommunicator":
+        return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False,
+                               device_buffers=self.device_buffers)
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
         """Pickle-based broadcast, for set-up only (never in the training step)."""
