@@ -88,8 +88,10 @@ class CommConfig:
     """Collective communication."""
 
     backend: str = "auto"
-    """auto | mpi | nccl. Today auto means mpi (CPU tensors); nccl is a config error
-    until the GPU data path lands (issue 11), when auto will pick NCCL for GPU tensors."""
+    """auto | mpi | nccl. auto: NCCL for GPU tensors when every rank has its own GPU and
+    cupy with NCCL, MPI otherwise (CUDA-aware or host-staged for GPU tensors); nccl where
+    it cannot run (no cupy/GPU, CPU tensors, ranks sharing a GPU) is a config error.
+    The engine passes no device yet (issue 11), so today every group is MPI on CPU."""
     reduce_scatter: str = "ordered"
     """ordered: alltoall + sum in rank order, bitwise independent of bucket size;
     native: the library's reduce-scatter (faster on some fabrics, order not fixed)."""

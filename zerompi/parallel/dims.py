@@ -47,8 +47,10 @@ class ParallelDims:
 
     @classmethod
     def create(cls, tp_size: int = 1, world: Any = None, backend: str = "auto",
-               reduce_scatter: str = "ordered") -> "ParallelDims":
-        """Collective over `world` (an mpi4py communicator; default COMM_WORLD)."""
+               reduce_scatter: str = "ordered", device: Any = None) -> "ParallelDims":
+        """Collective over `world` (an mpi4py communicator; default COMM_WORLD).
+        `device`: where the tensors the groups move live (None/cpu: host; cuda[:k]: GPU),
+        which backend 'auto' follows (comm.create)."""
         from .. import comm as comm_mod
 
         base = runtime.init() if world is None else world
@@ -56,17 +58,19 @@ class ParallelDims:
         if tp_size < 1 or n % tp_size:
             raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: "
                              f"must divide the number of ranks ({n})")
-        make = lambda c: comm_mod.create(c, backend=backend, reduce_scatter=reduce_scatter)  # noqa: E731
+        make = lambda c: comm_mod.create(c, backend=backend, reduce_scatter=reduce_scatter,  # noqa: E731
+                                         device=device)
         world_c = make(base)
         tp = world_c.split(color=r // tp_size, key=r)
         dp = world_c.split(color=r % tp_size, key=r)
         return cls(world=world_c, dp=dp, tp=tp)
 
     @classmethod
-    def from_config(cls, cfg, world: Any = None) -> "ParallelDims":
-        """The grid a ZeroConfig asks for (tensor_parallel_size, comm.backend)."""
+    def from_config(cls, cfg, world: Any = None, device: Any = None) -> "ParallelDims":
+        """The grid a ZeroConfig asks for (tensor_parallel_size, comm.backend) for
+        tensors on `device` (None: host)."""
         return cls.create(cfg.tensor_parallel_size, world=world, backend=cfg.comm.backend,
-                          reduce_scatter=cfg.comm.reduce_scatter)
+                          reduce_scatter=cfg.comm.reduce_scatter, device=device)
 
     def describe(self) -> str:
         return f"dp {self.dp_size} x tp {self.tp_size} (rank {self.rank}: dp {self.dp_rank}, tp {self.tp_rank})"
