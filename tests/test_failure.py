@@ -39,7 +39,7 @@ def test_bad_input_gives_clear_error_without_hanging(mode, needle):
     assert r.elapsed < 10, r.elapsed
 
 
-def test_unimplemented_backend_is_a_clear_config_error():
+def test_unavailable_nccl_backend_is_a_clear_config_error():
     import zerompi.comm
 
     with pytest.raises(ValueError, match="config key 'comm.backend' = 'nccl'"):

@@ -107,7 +107,8 @@ class TrainConfig:
     seed: int = 1337
     """Model initialisation and data order (zero.seed drives per-rank RNG such as dropout)."""
     device: str = "cpu"
-    """cpu | cuda (cuda needs zero.comm.backend = 'nccl')."""
+    """cpu | cuda. cuda: the engine still refuses GPU parameters (issue 11: the comm layer
+    for device buffers exists, the device step does not), so today this fails at start."""
     threads: int = 0
     """torch threads per rank; 0 = this node's CPUs divided by its ranks."""
     peak_flops: float = 0.0
