@@ -239,16 +239,26 @@ def test_cli_dry_run():
     res = json.loads(p.stdout)
     assert [r["stage"] for r in res["runs"]] == [0, 1, 2, 3]
     assert all(r["equal_formula"] for r in res["runs"])
-    # bucket_size "auto" (the default) is capped at AUTO_CEILING: 1 GiB of fp32, 256 KiB per rank
-    assert res["runs"][1]["summary"]["largest_chunk_elements"] == (1 << 28) // 4096
+    # bucket_size "auto" (the default) is capped at AUTO_CEILING (1 GiB of fp32) and above
+    # its 2^22 floor is a floor on every block (balanced blocks, none a short remainder)
+    # and on every stage-3 unit (sibling layers coalesced, the model's unit takes in h.0):
+    # every per-rank chunk of every stage is >= 2^28 / 4096 = 65,536 elements (256 KiB fp32)
+    for r in res["runs"]:
+        assert r["at_least"] and r["requested_block"] == 1 << 28, r
+        assert r["summary"]["smallest_chunk_elements"] >= (1 << 28) // 4096, (r["stage"], r["summary"])
+    assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
+            for r in res["runs"]] == [(67_488, 67_504)] * 3 + [(73_744, 101_520)]
+    assert res["runs"][3]["units"] == 18  # h.0+<root>, 16 pairs of layers, h.33+h.34+h.35 (2 blocks)
     text = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--stage", "3")
     assert text.returncode == 0 and "recounted from layout.pieces" in text.stdout, text.stderr
-    # a fixed 4M bucket at N = 4096: 1,024 elements per rank, 608 in the last block, 16 for
-    # a stage-3 LayerNorm unit (8,192 elements padded to one 65,536-element block)
+    # a fixed 4M bucket at N = 4096 is a budget: balanced blocks of at most 4M, 1,008-1,024
+    # elements per rank (before balancing the last block of a span left 608, and the
+    # model's unit a 65,536-element tail block: 16 per rank); no coalescing (37 units)
     fixed = json.loads(cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--bucket-size", "4M",
                            "--json").stdout)["runs"]
     assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"]) for r in fixed] \
-        == [(608, 1024), (608, 1024), (608, 1024), (16, 1024)]
+        == [(1008, 1024), (1008, 1024), (1008, 1024), (992, 1008)]
+    assert not fixed[0]["at_least"] and fixed[3]["units"] == 37
 
 
 def test_cli_config():

@@ -138,6 +138,12 @@ class Stage3Config:
     unit_min_elements: int = 0
     """Also make a unit of any other module whose unclaimed subtree holds at least this
     many elements (0: off)."""
+    coalesce_elements: int | str = "auto"
+    """Merge consecutive sibling units (e.g. layers h.0 + h.1) into one unit, gathered
+    and reduced together, while the group holds fewer than this many elements, so each
+    rank's chunk of its collectives stays large at large N. "auto": the bucket, when
+    bucket_size "auto" is above its 2^22 floor (the bucket is then a floor on the per-rank
+    chunk); otherwise 0 (off). An integer: that target at any N (zero/units.py)."""
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:
@@ -150,6 +156,9 @@ class Stage3Config:
             _fail("unit_classes", self.unit_classes, 'must be "auto" or comma-separated class names')
         if self.unit_min_elements < 0:
             _fail("unit_min_elements", self.unit_min_elements, "must be >= 0")
+        if self.coalesce_elements != "auto" and not (isinstance(self.coalesce_elements, int)
+                                                     and self.coalesce_elements >= 0):
+            _fail("coalesce_elements", self.coalesce_elements, 'must be "auto" or an integer >= 0')
 
 
 @dataclass(frozen=True)
