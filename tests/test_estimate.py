@@ -252,8 +252,8 @@ def test_cli_dry_run():
     text = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--stage", "3")
     assert text.returncode == 0 and "recounted from layout.pieces" in text.stdout, text.stderr
     # a fixed 4M bucket at N = 4096 is a budget: balanced blocks of at most 4M, 1,008-1,024
-    # elements per rank (before balancing the last block of a span left 608, and the
-    # model's unit a 65,536-element tail block: 16 per rank); no coalescing (37 units)
+    # elements per rank (before balancing the last block of a span left 608, and each
+    # stage-3 layer a 65,536-element tail block: 16 per rank); no coalescing (37 units)
     fixed = json.loads(cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--bucket-size", "4M",
                            "--json").stdout)["runs"]
     assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"]) for r in fixed] \
