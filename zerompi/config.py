@@ -206,9 +206,12 @@ class ZeroConfig:
     """Elements per communication bucket (also the partition block, see docs), or "auto":
     2^22 at small N, growing with N so every rank's chunk of a collective stays large
     enough that latency is a small part of its time (zerompi/estimate/comm_model.py
-    auto_bucket_elements; docs/scaling.md). Each of the `bucket_count` slots holds ~2.5
-    buckets (send, alltoall receive, own chunk) in the reduce dtype: 2^22 elements =
-    16 MiB per bucket (DDP uses 25 MB buckets)."""
+    auto_bucket_elements; docs/scaling.md). Each span (the model, a stage-3 unit) is cut
+    into balanced blocks: at most this many elements (an integer, or "auto" at its 2^22
+    floor), or with "auto" above the floor at least this many (then stage-3 units are
+    coalesced to it too, stage3.coalesce_elements). Each of the `bucket_count` slots
+    holds ~2.5 of the largest block (send, alltoall receive, own chunk) in the reduce
+    dtype: 2^22 elements = 16 MiB per bucket (DDP uses 25 MB buckets)."""
     bucket_count: int = 2
     """Buckets in flight at once: one filling while the others reduce."""
     reduce_dtype: str = "fp32"

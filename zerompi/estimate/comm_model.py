@@ -225,6 +225,9 @@ def auto_bucket_elements(n: int, elem_bytes: int = 4, link: Link | None = None,
     default `ceiling` (AUTO_CEILING = 2^28 elements) caps the memory so; ceiling=None
     removes the cap. Above the cap the latency share rises to
     alpha / (alpha + (ceiling * elem_bytes / n) beta), which `latency_share` computes.
+    Above the floor the bucket is a lower bound on blocks, so the largest block - and
+    the buffers - can exceed it by up to 1 / nb of a block, more for coalesced stage-3
+    units (7.5B GPT at n = 4096: blocks of up to 416M elements, 6.2 GiB of buffers).
     Above the floor the bucket is a lower bound on every block (FlatLayout at_least:
     balanced blocks, none a short remainder), so every chunk of a span at least a bucket
     long is >= bucket / n; a stage-3 unit smaller than a bucket is still a block of its
