@@ -186,14 +186,21 @@ def test_units():
 def test_dry_run_equals_the_engine_at_n1():
     """memory_report() (every term, the padded T, the bucket buffers) and comm_stats()
     (calls, elements and bytes per op over a GAS-2 step) of the real engine, single
-    process, stages 0-3, fp32/bf16/fp32-gradients, against the dry run of the same GPT."""
+    process, stages 0-3, fp32/bf16/fp32-gradients, against the dry run of the same GPT;
+    plus stages 2-3 with the layout "auto" makes at large N forced (blocks of at least the
+    bucket, stage-3 units coalesced): the same blocks and units in both."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "estimate_engine.py")],
                        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     cases = json.loads(p.stdout)
-    assert len(cases) == 12
+    assert len(cases) == 14
     for c in cases:
+        assert c["engine_units"] == c["estimate_units"] and c["engine_blocks"] == c["estimate_blocks"], c
+        if c["forced"]:  # blocks of at least 60,000; stage 3: the model's unit took in h.0
+            assert all(e - s >= 60_000 for s, e in c["engine_blocks"]) or c["stage"] == 3, c
+            if c["stage"] == 3:
+                assert c["engine_units"] == ["h.1", "h.0+<root>"], c["engine_units"]
         tag = (c["stage"], c["precision"], c["gdt"])
         for k in ("params", "grads", "master", "optimizer", "model_states"):
             assert c["engine"][k] == c["estimate"][k], (tag, k)
