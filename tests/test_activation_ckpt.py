@@ -104,6 +104,20 @@ def test_engine_tp1_data_parallel(tmp_path):
     _check_engine(r, tp=1)
 
 
+def test_stage3_coalesced_units_with_checkpointing(tmp_path):
+    """Stage 3 with the tiny GPT's model unit and both layers coalesced into one unit of
+    three roots (stage3.coalesce_elements), every checkpointing variant: recomputation in
+    backward runs the layers' forward again inside the held unit; bit for bit the plain
+    run with one unit per layer, nothing left gathered."""
+    r = run_worker(2, "activation_ckpt", ["--tp", "1", "--stages", "3", "--coalesce", "1000000",
+                                          "--variants", "plain,contig"], tmp_path, timeout=400)
+    for v in ("plain", "contig"):
+        d = r[f"stage3/{v}"]
+        assert d["units"] == ["h.0+h.1+<root>"], d["units"]
+        assert d["losses"] == d["ref_losses"] and d["max_diff"] == 0.0, v
+        assert d["materialized"] == [], v
+
+
 def test_direct_blocks_with_extra_args_and_padding(tmp_path):
     """activations.apply on blocks taking (x, flag, scale=tensor) and returning (h, dict),
     block input of 455 elements (odd: tp 2 pads one), dropout in the block, two passes

@@ -186,14 +186,21 @@ def test_units():
 def test_dry_run_equals_the_engine_at_n1():
     """memory_report() (every term, the padded T, the bucket buffers) and comm_stats()
     (calls, elements and bytes per op over a GAS-2 step) of the real engine, single
-    process, stages 0-3, fp32/bf16/fp32-gradients, against the dry run of the same GPT."""
+    process, stages 0-3, fp32/bf16/fp32-gradients, against the dry run of the same GPT;
+    plus stages 2-3 with the layout "auto" makes at large N forced (blocks of at least the
+    bucket, stage-3 units coalesced): the same blocks and units in both."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "estimate_engine.py")],
                        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     cases = json.loads(p.stdout)
-    assert len(cases) == 12
+    assert len(cases) == 14
     for c in cases:
+        assert c["engine_units"] == c["estimate_units"] and c["engine_blocks"] == c["estimate_blocks"], c
+        if c["forced"]:  # blocks of at least 60,000; stage 3: the model's unit took in h.0
+            assert all(e - s >= 60_000 for s, e in c["engine_blocks"]) or c["stage"] == 3, c
+            if c["stage"] == 3:
+                assert c["engine_units"] == ["h.1", "h.0+<root>"], c["engine_units"]
         tag = (c["stage"], c["precision"], c["gdt"])
         for k in ("params", "grads", "master", "optimizer", "model_states"):
             assert c["engine"][k] == c["estimate"][k], (tag, k)
@@ -239,16 +246,26 @@ def test_cli_dry_run():
     res = json.loads(p.stdout)
     assert [r["stage"] for r in res["runs"]] == [0, 1, 2, 3]
     assert all(r["equal_formula"] for r in res["runs"])
-    # bucket_size "auto" (the default) is capped at AUTO_CEILING: 1 GiB of fp32, 256 KiB per rank
-    assert res["runs"][1]["summary"]["largest_chunk_elements"] == (1 << 28) // 4096
+    # bucket_size "auto" (the default) is capped at AUTO_CEILING (1 GiB of fp32) and above
+    # its 2^22 floor is a floor on every block (balanced blocks, none a short remainder)
+    # and on every stage-3 unit (sibling layers coalesced, the model's unit takes in h.0):
+    # every per-rank chunk of every stage is >= 2^28 / 4096 = 65,536 elements (256 KiB fp32)
+    for r in res["runs"]:
+        assert r["at_least"] and r["requested_block"] == 1 << 28, r
+        assert r["summary"]["smallest_chunk_elements"] >= (1 << 28) // 4096, (r["stage"], r["summary"])
+    assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
+            for r in res["runs"]] == [(67_488, 67_504)] * 3 + [(73_744, 101_520)]
+    assert res["runs"][3]["units"] == 18  # h.0+<root>, 16 pairs of layers, h.33+h.34+h.35 (2 blocks)
     text = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--stage", "3")
     assert text.returncode == 0 and "recounted from layout.pieces" in text.stdout, text.stderr
-    # a fixed 4M bucket at N = 4096: 1,024 elements per rank, 608 in the last block, 16 for
-    # a stage-3 LayerNorm unit (8,192 elements padded to one 65,536-element block)
+    # a fixed 4M bucket at N = 4096 is a budget: balanced blocks of at most 4M, 1,008-1,024
+    # elements per rank (before balancing the last block of a span left 608, and each
+    # stage-3 layer a 65,536-element tail block: 16 per rank); no coalescing (37 units)
     fixed = json.loads(cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--bucket-size", "4M",
                            "--json").stdout)["runs"]
     assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"]) for r in fixed] \
-        == [(608, 1024), (608, 1024), (608, 1024), (16, 1024)]
+        == [(1008, 1024), (1008, 1024), (1008, 1024), (992, 1008)]
+    assert not fixed[0]["at_least"] and fixed[3]["units"] == 37
 
 
 def test_cli_config():

@@ -59,6 +59,19 @@ def test_stage3_parity_every_shape(n, tmp_path):
     _check_fp32(r, stages=(3,))
 
 
+@pytest.mark.parametrize("n,target,unit", [(2, 60_000, "h.0+<root>"), (3, 10 ** 6, "h.0+h.1+<root>")])
+def test_stage3_parity_coalesced_units(n, target, unit, tmp_path):
+    """stage3.coalesce_elements forces at small N what bucket_size "auto" does at large N:
+    the tiny GPT's own unit (embeddings, final norm: 20,608 elements) takes in its first
+    layer (49,984), or both: one unit with several roots, gathered when the model's
+    forward starts, released when it ends and when the last gradient has been reduced.
+    Sibling-only groups: tests/test_stage3_models.py."""
+    r = run_worker(n, "parity", ["--model", "gpt", "--stages", "3", "--steps", "4", "--clip", "0.5",
+                                 "--coalesce", str(target)], tmp_path)
+    assert unit in r["stage3"]["units"], r["stage3"]["units"]
+    _check_fp32(r, stages=(3,))
+
+
 def test_stage3_parity_with_persistent_parameters(tmp_path):
     """Parameters of <= 40 elements (biases, norms, the scalar) stay resident."""
     r = run_worker(3, "parity", ["--model", "odd", "--stages", "3", "--persist", "40"], tmp_path)

@@ -58,8 +58,8 @@ def block_requests(rng: random.Random, used: int, world: int, align: int) -> lis
 
 
 def check_layout(numels: list[int], world: int, req_block: int, align: int,
-                 rng: random.Random) -> None:
-    L = FlatLayout(numels, world, req_block, align)
+                 rng: random.Random, at_least: bool = False) -> None:
+    L = FlatLayout(numels, world, req_block, align, at_least=at_least)
     unit = world * align
 
     # ---- offsets: packed in order, aligned, gaps < align
@@ -84,13 +84,27 @@ def check_layout(numels: list[int], world: int, req_block: int, align: int,
     assert 0 <= gaps <= max(0, len(numels) - 1) * (align - 1)
     assert L.padding == L.total - sum(numels) == tail + gaps
 
-    # ---- blocks: each a multiple of world*align, contiguous, cover [0, total)
-    assert L.block == min(round_up(max(req_block, 1), unit), L.total)
+    # ---- blocks: each a multiple of world*align, contiguous, cover [0, total), balanced
+    # (sizes differ by at most world*align, larger first: no short remainder), each <= the
+    # requested block, or with at_least >= it whenever the whole span is
+    req = round_up(max(req_block, 1), unit)
+    assert L.requested == req and L.at_least == at_least
     assert L.blocks[0][0] == 0 and L.blocks[-1][1] == L.total
+    sizes = [e - s for s, e in L.blocks]
+    nb = len(sizes)
+    assert L.block == max(sizes) and max(sizes) - min(sizes) <= unit
+    assert sizes == sorted(sizes, reverse=True)
+    if not at_least:
+        assert nb == -(-L.total // req) and max(sizes) <= req
+    elif L.total >= req:
+        assert nb == L.total // req and min(sizes) >= req
+        assert max(sizes) <= req + req // nb + unit  # at most about (1 + 1/nb) x the bucket
+    else:
+        assert sizes == [L.total]
     for k, (s, e) in enumerate(L.blocks):
-        assert s == k * L.block and 0 < e - s <= L.block and (e - s) % unit == 0
+        assert 0 < e - s and (e - s) % unit == 0
         if k + 1 < len(L.blocks):
-            assert e - s == L.block and L.blocks[k + 1][0] == e
+            assert L.blocks[k + 1][0] == e
         assert L.chunk_size(k) * world == e - s and L.chunk_size(k) % align == 0
     assert L.shard_size * world == L.total
 
@@ -186,8 +200,9 @@ def check_layout(numels: list[int], world: int, req_block: int, align: int,
         assert L.param_blocks(i) == want
 
 
+@pytest.mark.parametrize("at_least", [False, True])
 @pytest.mark.parametrize("world", range(1, 18))
-def test_layout_properties(world):
+def test_layout_properties(world, at_least):
     rng = random.Random(1000 + world)
     layouts = 0
     for _ in range(6):
@@ -195,9 +210,32 @@ def test_layout_properties(world):
         for align in (1, 4, 16):
             offs = FlatLayout(numels, 1, 1, align)  # just for `used`
             for req in block_requests(rng, offs.used, world, align):
-                check_layout(numels, world, req, align, rng)
+                check_layout(numels, world, req, align, rng, at_least)
                 layouts += 1
     assert layouts > 50
+
+
+def test_balanced_blocks():
+    """No block is a short remainder: 10 units of world*align in blocks of 4 units are
+    4+3+3 (budget: every block <= 4) or 5+5 (at_least: every block >= 4); the old cut
+    4+4+2 left a half-size last block (a 44-element span in blocks of 16: 16+16+12, or
+    24+20 with at_least, where it was 16+16+12 with the 12 a remainder). The chunk of the 7.5B GPT's stages 0-2 layout at
+    N = 4096 with the 2^28 "auto" bucket is then >= 2^28 / 4096 = 65,536 elements."""
+    from zerompi.zero.partition import split_span
+
+    assert split_span(0, 40, 16, 4) == [(0, 16), (16, 28), (28, 40)]
+    assert split_span(0, 40, 16, 4, at_least=True) == [(0, 20), (20, 40)]
+    assert split_span(8, 20, 16, 4, at_least=True) == [(8, 20)]   # shorter than the bucket
+    assert split_span(8, 8, 16, 4) == []
+    L = FlatLayout([30, 14], world=2, block=16, align=2)           # T = 44: 3 blocks of 16 before
+    assert [e - s for s, e in L.blocks] == [16, 16, 12] and L.block == 16
+    L = FlatLayout([30, 14], world=2, block=16, align=2, at_least=True)
+    assert [e - s for s, e in L.blocks] == [24, 20] and L.block == 24
+    # a span of about 7.5e9 elements (the 7.5B GPT's stages 0-2) at N = 4096, align 16
+    span = 114_441 * 65_536
+    blocks = split_span(0, span, 1 << 28, 4096 * 16, at_least=True)
+    assert min(e - s for s, e in blocks) // 4096 >= 65_536
+    assert max(e - s for s, e in blocks) <= (1 << 28) * (1 + 1 / len(blocks)) + 4096 * 16
 
 
 def test_fixed_cases():
@@ -232,18 +270,19 @@ def test_units_start_on_block_boundaries_and_tile_exactly():
     one unit never fetches a neighbour's elements; ownership stays exact."""
     import random
 
-    from zerompi.zero.partition import FlatLayout
+    from zerompi.zero.partition import FlatLayout, split_span
 
     rng = random.Random(7)
     for world in (1, 2, 3, 4, 5, 8):
         for _ in range(20):
             counts = [rng.randint(0, 4) for _ in range(rng.randint(1, 6))]
             numels = [rng.choice([0, 1, 7, 13, 64, 1000]) for _ in range(sum(counts))]
-            lay = FlatLayout(numels, world, rng.choice([1, 16, 100, 4096]), 4, units=counts)
+            lay = FlatLayout(numels, world, rng.choice([1, 16, 100, 4096]), 4, units=counts,
+                             at_least=rng.random() < 0.5)
             assert len(lay.unit_blocks) == len(counts)
             for u, blocks in enumerate(lay.unit_blocks):
                 s, e = lay.unit_spans[u]
-                assert [lay.blocks[k] for k in blocks][:1] in ([], [(s, min(s + lay.block, e))])
+                assert [lay.blocks[k] for k in blocks] == split_span(s, e, lay.requested, world * 4, lay.at_least)
                 for k in blocks:
                     bs, be = lay.blocks[k]
                     assert s <= bs < be <= e and (be - bs) % world == 0

@@ -46,6 +46,18 @@ def test_units_run_on_some_ranks_only(kind, tmp_path):
     assert r["stage3"]["foreign"] > 0, r["stage3"]
 
 
+@pytest.mark.parametrize("kind", ["branch", "moe1"])
+def test_coalesced_units_run_on_some_ranks_only(kind, tmp_path):
+    """As above, with every run of sibling units merged (stage3.coalesce_elements): a
+    merged unit some of whose roots run on some ranks only (an expert without tokens, a
+    skipped layer) is still gathered in agreement, kept until its last root or the end
+    of the phase, and parity holds."""
+    r = run_worker(3, "parity", ["--model", kind, "--stages", "3", "--steps", "4",
+                                 "--unit-classes", "Sequential,Linear", "--coalesce", "1000000"], tmp_path)
+    assert any("+" in u for u in r["stage3"]["units"]), r["stage3"]["units"]
+    _check_fp32(r, stages=(3,))
+
+
 def test_read_outside_the_unit_names_module_and_parameter():
     """A unit policy that separates F.linear's reader from the child it reads: a clear
     error naming both and the config key to change, and the job ends (no hang)."""

@@ -134,6 +134,12 @@ class Stage3Config:
     unit_min_elements: int = 0
     """Also make a unit of any other module whose unclaimed subtree holds at least this
     many elements (0: off)."""
+    coalesce_elements: int | str = "auto"
+    """Merge consecutive sibling units (e.g. layers h.0 + h.1) into one unit, gathered
+    and reduced together, while the group holds fewer than this many elements, so each
+    rank's chunk of its collectives stays large at large N. "auto": the bucket, when
+    bucket_size "auto" is above its 2^22 floor (the bucket is then a floor on the per-rank
+    chunk); otherwise 0 (off). An integer: that target at any N (zero/units.py)."""
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:
@@ -146,6 +152,9 @@ class Stage3Config:
             _fail("unit_classes", self.unit_classes, 'must be "auto" or comma-separated class names')
         if self.unit_min_elements < 0:
             _fail("unit_min_elements", self.unit_min_elements, "must be >= 0")
+        if self.coalesce_elements != "auto" and not (isinstance(self.coalesce_elements, int)
+                                                     and self.coalesce_elements >= 0):
+            _fail("coalesce_elements", self.coalesce_elements, 'must be "auto" or an integer >= 0')
 
 
 @dataclass(frozen=True)
@@ -193,9 +202,12 @@ class ZeroConfig:
     """Elements per communication bucket (also the partition block, see docs), or "auto":
     2^22 at small N, growing with N so every rank's chunk of a collective stays large
     enough that latency is a small part of its time (zerompi/estimate/comm_model.py
-    auto_bucket_elements; docs/scaling.md). Each of the `bucket_count` slots holds ~2.5
-    buckets (send, alltoall receive, own chunk) in the reduce dtype: 2^22 elements =
-    16 MiB per bucket (DDP uses 25 MB buckets)."""
+    auto_bucket_elements; docs/scaling.md). Each span (the model, a stage-3 unit) is cut
+    into balanced blocks: at most this many elements (an integer, or "auto" at its 2^22
+    floor), or with "auto" above the floor at least this many (then stage-3 units are
+    coalesced to it too, stage3.coalesce_elements). Each of the `bucket_count` slots
+    holds ~2.5 of the largest block (send, alltoall receive, own chunk) in the reduce
+    dtype: 2^22 elements = 16 MiB per bucket (DDP uses 25 MB buckets)."""
     bucket_count: int = 2
     """Buckets in flight at once: one filling while the others reduce."""
     reduce_dtype: str = "fp32"

@@ -35,6 +35,7 @@ ap.add_argument("--rows", type=int, default=8)
 ap.add_argument("--seq", type=int, default=16)
 ap.add_argument("--dropout", type=float, default=0.1)
 ap.add_argument("--direct", action="store_true")
+ap.add_argument("--coalesce", type=int, default=0, help="stage3.coalesce_elements of the checkpointed runs")
 a = ap.parse_args()
 
 VARIANTS = {"off": {}, "plain": {"enabled": True}, "pa": {"enabled": True, "partition": True},
@@ -55,6 +56,8 @@ def train(stage: int, variant: str) -> dict:
     model = GPT(dataclasses.replace(PRESETS["tiny"], dropout=a.dropout))
     cfg = {"stage": stage, "gradient_accumulation_steps": a.gas, "bucket_size": 4096,
            "gradient_clipping": 1.0, "activation_checkpointing": VARIANTS[variant]}
+    if a.coalesce and variant != "off":  # the reference keeps one unit per layer
+        cfg["stage3"] = {"coalesce_elements": a.coalesce}
     eng = zerompi.initialize(model, cfg, dims=dims)
     dims.tp.reset_stats()
     losses, gathers = [], []
@@ -76,7 +79,8 @@ def train(stage: int, variant: str) -> dict:
            "stats": eng.activations.stats() if eng.activations is not None else None,
            "gather_per_step": gathers,
            "tp_all_gather": dims.tp.stats().get("all_gather", {}).get("elements", 0),
-           "materialized": eng.materialized_params()}
+           "materialized": eng.materialized_params(),
+           "units": [u.name for u in getattr(eng.param_store, "units", [])]}
     if eng.activations is not None:
         eng.activations.remove()
     return out
@@ -93,7 +97,8 @@ if not a.direct:
                 result[f"stage{stage}/{v}"] = {
                     "losses": r["losses"], "ref_losses": ref["losses"], "max_diff": diff,
                     "per_rank": per_rank, "gather_per_step": r["gather_per_step"],
-                    "tp_all_gather": r["tp_all_gather"], "materialized": r["materialized"]}
+                    "tp_all_gather": r["tp_all_gather"], "materialized": r["materialized"],
+                    "units": r["units"]}
 else:
     class Blk(nn.Module):
         def __init__(self, d):

@@ -8,11 +8,13 @@ import torch
 from mpi4py import MPI
 
 import zerompi
+import zerompi.zero.engine
 from common import global_batch, make_model, micro_slices, vocab_of
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
-ap.add_argument("--buckets", default="64,1000,100000")
+ap.add_argument("--buckets", default="64,1000,100000,300+",
+                help="bucket sizes; N+ lays out blocks of at least N (as 'auto' does at large N)")
 ap.add_argument("--precision", default="fp32")
 ap.add_argument("--stages", default="0,1,2")
 a = ap.parse_args()
@@ -20,7 +22,10 @@ world = MPI.COMM_WORLD
 rank, N = world.rank, world.size
 res = {}
 for stage in [int(s) for s in a.stages.split(",")]:
-    for bucket in [int(b) for b in a.buckets.split(",")]:
+    for spec in a.buckets.split(","):
+        bucket, at_least = int(spec.rstrip("+")), spec.endswith("+")
+        # the engine's policy, forced: blocks >= the bucket (FlatLayout at_least)
+        zerompi.zero.engine.bucket_policy = lambda b, w, _p=(bucket, at_least): _p
         model = make_model("odd")
         eng = zerompi.initialize(model, {"stage": stage, "precision": a.precision, "bucket_size": bucket,
                                          "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
@@ -40,7 +45,8 @@ for stage in [int(s) for s in a.stages.split(",")]:
             h = hashlib.sha256()
             for k in sorted(sd):
                 h.update(k.encode()); h.update(sd[k].numpy().tobytes())
-            res[f"{stage}/{bucket}"] = {"master": h.hexdigest(), "ranks_agree": len(set(hashes)) == 1,
-                                        "blocks": len(eng.layout.blocks)}
+            res[f"{stage}/{spec}"] = {"master": h.hexdigest(), "ranks_agree": len(set(hashes)) == 1,
+                                        "blocks": len(eng.layout.blocks),
+                                        "block_sizes": sorted({e - s for s, e in eng.layout.blocks})}
 if rank == 0:
     json.dump(res, open(a.out, "w"))

@@ -29,6 +29,8 @@ ap.add_argument("--groups", action="store_true", help="decay matrices only (two 
 ap.add_argument("--persist", type=int, default=0, help="stage3.persistence_threshold")
 ap.add_argument("--unit-classes", default="auto", help="stage3.unit_classes")
 ap.add_argument("--unit-min", type=int, default=0, help="stage3.unit_min_elements")
+ap.add_argument("--coalesce", type=lambda v: v if v == "auto" else int(v), default="auto",
+                help="stage3.coalesce_elements")
 ap.add_argument("--init", default="0", help="0: plain build, 1: under zerompi.Init, 0,1: both "
                 "(stage 3 only; results 'stageS' and 'stageS_init')")
 a = ap.parse_args()
@@ -52,7 +54,7 @@ for stage, init in runs:
     cfg = {"stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
            "gradient_clipping": a.clip, "bucket_size": a.bucket,
            "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
-                      "unit_min_elements": a.unit_min},
+                      "unit_min_elements": a.unit_min, "coalesce_elements": a.coalesce},
            "optimizer": {"lr": a.lr, "weight_decay": 0.01}}
     if init:
         with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well
@@ -102,6 +104,7 @@ for stage, init in runs:
         foreign = world.allreduce(engine.param_store.rounds.foreign, op=MPI.SUM)
         if rank == 0:
             result[key]["foreign"] = foreign
+            result[key]["units"] = [u.name for u in engine.param_store.units]
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

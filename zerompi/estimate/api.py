@@ -93,11 +93,12 @@ def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, buc
             f"{zcfg.bucket_count}, alignment {zcfg.alignment}, reduce_dtype {zcfg.reduce_dtype}, GAS {gas}, tp {tp}")
 
 
-def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> int | str | None:
+def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> "int | str | tuple | None":
     if bucket != "auto" or link is None:
         return bucket  # None: the config's; "auto" without a link: the engine's own rule
     rbytes = 4 if zcfg.reduce_dtype == "fp32" else (4 if precision == "fp32" else 2)
-    return comm_model.auto_bucket_elements(n, rbytes, link)
+    b = comm_model.auto_bucket_elements(n, rbytes, link)
+    return b, b > comm_model.AUTO_FLOOR  # as zero.engine.bucket_policy: a floor above AUTO_FLOOR
 
 
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,

@@ -185,10 +185,14 @@ def latency_share(chunk_bytes: float, link: Link) -> float:
 # stay ~4 GiB at any N; at N = 4096 that is a 256 KiB chunk per rank (latency share ~32%
 # on hdr-ib). Beyond it, hierarchical (node-then-global) collectives are the remedy.
 AUTO_CEILING = 1 << 28
+# The smallest bucket "auto" picks (2^22 elements, the fixed default before "auto"): at
+# small N the chunks are large anyway; the bucket is then a memory budget, above it a
+# floor on the chunk (zero/engine.py bucket_policy).
+AUTO_FLOOR = 1 << 22
 
 
 def auto_bucket_elements(n: int, elem_bytes: int = 4, link: Link | None = None,
-                         latency_fraction: float = 0.1, floor: int = 1 << 22,
+                         latency_fraction: float = 0.1, floor: int = AUTO_FLOOR,
                          ceiling: int | None = AUTO_CEILING) -> int:
     """The bucket size (elements) that `bucket_size = "auto"` picks at n ranks.
 
@@ -221,8 +225,13 @@ def auto_bucket_elements(n: int, elem_bytes: int = 4, link: Link | None = None,
     default `ceiling` (AUTO_CEILING = 2^28 elements) caps the memory so; ceiling=None
     removes the cap. Above the cap the latency share rises to
     alpha / (alpha + (ceiling * elem_bytes / n) beta), which `latency_share` computes.
-    Note also that a layout's last block is shorter than the bucket (and stage-3 units
-    smaller than a bucket are blocks of their own), so its chunks can fall below c*.
+    Above the floor the bucket is a lower bound on blocks, so the largest block - and
+    the buffers - can exceed it by up to 1 / nb of a block, more for coalesced stage-3
+    units (7.5B GPT at n = 4096: blocks of up to 416M elements, 6.2 GiB of buffers).
+    Above the floor the bucket is a lower bound on every block (FlatLayout at_least:
+    balanced blocks, none a short remainder), so every chunk of a span at least a bucket
+    long is >= bucket / n; a stage-3 unit smaller than a bucket is still a block of its
+    own, so its chunks can fall below c*.
     """
     n = _check_n(n)
     if isinstance(elem_bytes, bool) or not isinstance(elem_bytes, int) or elem_bytes < 1:

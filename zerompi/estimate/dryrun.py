@@ -25,9 +25,10 @@ import torch
 from ..config import ZeroConfig
 from ..device import Placement
 from ..precision import DTYPES
-from ..zero.engine import PARTS, bucket_elements
+from ..zero.engine import PARTS, bucket_policy
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
+from ..zero.units import coalesce_target
 from ..zero.state import ShardState
 from .memory import model_states
 from .models import ModelSpec, meta_model
@@ -74,20 +75,23 @@ class DryRun:
             raise RuntimeError(f"meta model holds {stored} bytes of parameter storage")
         self._cache: dict = {}
 
-    def build(self, n: int, stage: int, bucket: int | None = None) -> Built:
+    def build(self, n: int, stage: int, bucket: "int | str | tuple[int, bool] | None" = None) -> Built:
         """The layout the engine builds at N ranks for `stage` (bucket: override
-        zero.bucket_size)."""
+        zero.bucket_size; a pair (elements, at_least) is taken as resolved)."""
         if n < 1:
             raise ValueError(f"N must be >= 1, got {n}")
         store = PARTS[stage].store
         # resolved exactly as the engine resolves it ("auto" grows with N)
-        bucket = bucket_elements(self.zcfg.bucket_size if bucket is None else bucket, n)
-        key = (n, store, bucket)
+        bucket, at_least = bucket if isinstance(bucket, tuple) else \
+            bucket_policy(self.zcfg.bucket_size if bucket is None else bucket, n)
+        key = (n, store, bucket, at_least)
         if key not in self._cache:
             t = time.perf_counter()
-            plan = store.plan(self.model, self.trainable, self.zcfg)
+            plan = store.plan(self.model, self.trainable, self.zcfg,  # as ZeroEngine.__init__
+                              coalesce_below=coalesce_target(self.zcfg.stage3, bucket, at_least))
             numels = [p.numel() for _, p in plan.order]
-            layout = FlatLayout(numels, n, bucket, self.zcfg.alignment, units=plan.unit_sizes)
+            layout = FlatLayout(numels, n, bucket, self.zcfg.alignment, units=plan.unit_sizes,
+                                at_least=at_least)
             built = Built(n, layout, plan, numels, time.perf_counter() - t)
             if plan.unit_sizes is not None:
                 built.enclosing = _enclosing(plan)
@@ -98,10 +102,10 @@ class DryRun:
 def _enclosing(plan: Plan) -> list[int]:
     """Stage-3 units that enclose another unit (the model's own unit, a layer around
     its experts): gathered for the whole forward / backward of what they enclose."""
-    names = [n if n != "<root>" else "" for n in plan.unit_names]
-    inner = [n for n, p in zip(names, plan.unit_persistent) if not p]
-    return [u for u, n in enumerate(names) if not plan.unit_persistent[u]
-            and any(m != n and (n == "" or m.startswith(n + ".")) for m in inner)]
+    roots = [[r if r != "<root>" else "" for r in n.split("+")] for n in plan.unit_names]  # coalesced: a+b
+    inner = [m for rs, p in zip(roots, plan.unit_persistent) if not p for m in rs]
+    return [u for u, rs in enumerate(roots) if not plan.unit_persistent[u]
+            and any(m not in rs and (n == "" or m.startswith(n + ".")) for n in rs for m in inner)]
 
 
 # ------------------------------------------------------------------ per-rank memory
@@ -260,7 +264,8 @@ def dry_run(runner: DryRun, n: int, stage: int, precision: str = "bf16", grad_ac
     rows = collectives(built, stage, runner.zcfg, precision, gas)
     return {
         "N": n, "stage": stage, "precision": precision, "grad_accum_dtype": grad_accum_dtype,
-        "bucket_size": runner.zcfg.bucket_size if bucket is None else bucket,
+        "bucket_size": runner.zcfg.bucket_size if bucket is None else bucket[0] if isinstance(bucket, tuple) else bucket,
+        "at_least": layout.at_least, "requested_block": layout.requested,
         "alignment": runner.zcfg.alignment, "gas": gas,
         "params": psi, "padded": T, "padding": T - psi, "blocks": len(layout.blocks),
         "units": len(layout.unit_spans), "block": layout.block,

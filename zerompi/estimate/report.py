@@ -224,7 +224,7 @@ def render_dry_run(res: dict) -> str:
         by_n.setdefault(n, []).append(r)
     out.append("Counts of every rank from the gap walk; recounted from layout.pieces for ranks "
                + "; ".join(f"N = {n}: {', '.join(sorted(rs, key=int))}" for n, rs in by_n.items()) + ".")
-    out.append("chunk min / max: elements per rank in one bucket collective (block / N); the smallest come "
-               "from each unit's last, shorter block.")
+    out.append("chunk min / max: elements per rank in one bucket collective (block / N); blocks are balanced, "
+               "so the smallest come from stage-3 units shorter than a bucket.")
     out.append("time: this row's part (a layout is built once per N and shared by stages 0-2).")
     return "\n".join(out)

@@ -32,6 +32,7 @@ from ..optim import ShardedAdamW, build_groups, build_segments
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler
 from . import flat, grads, load_full, state_io
+from . import units as units_mod
 from .params import ReplicatedParams, sync_untracked
 from .partitioned import PartitionedParams
 from .partition import Chunk, FlatLayout
@@ -59,11 +60,22 @@ PARTS = {
 def bucket_elements(bucket_size: int | str, world: int) -> int:
     """The partition block / bucket in elements: as configured, or the "auto" rule that
     grows it with the data-parallel size (zerompi/estimate/comm_model.py)."""
-    if bucket_size != "auto":
-        return int(bucket_size)
-    from ..estimate.comm_model import auto_bucket_elements
+    return bucket_policy(bucket_size, world)[0]
 
-    return auto_bucket_elements(world, elem_bytes=4)  # buckets reduce in fp32 by default
+
+def bucket_policy(bucket_size: int | str, world: int) -> tuple[int, bool]:
+    """(bucket elements, at_least) for FlatLayout. The number's meaning decides which way
+    a span's balanced blocks round: an integer bucket_size, and "auto" at its 2^22 floor
+    (small N), are memory budgets - every block <= the bucket, so the reducer's buffers
+    stay as documented; "auto" above the floor is derived from the per-rank chunk that
+    keeps latency small (large N) - every block >= the bucket, so no chunk falls below
+    it (buffers grow by at most 1 / nb of a block). Results do not depend on it."""
+    if bucket_size != "auto":
+        return int(bucket_size), False
+    from ..estimate.comm_model import AUTO_FLOOR, auto_bucket_elements
+
+    b = auto_bucket_elements(world, elem_bytes=4)  # buckets reduce in fp32 by default
+    return b, b > AUTO_FLOOR
 
 
 def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -104,7 +116,9 @@ class ZeroEngine:
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
-        plan = parts.store.plan(model, trainable, cfg)
+        bucket, at_least = bucket_policy(cfg.bucket_size, self.world)
+        plan = parts.store.plan(model, trainable, cfg,
+                                coalesce_below=units_mod.coalesce_target(cfg.stage3, bucket, at_least))
         self.param_names = [n for n, _ in plan.order]
         self.params = [p for _, p in plan.order]
         groups, owner = build_groups(model, cfg.optimizer, param_groups)
@@ -114,9 +128,8 @@ class ZeroEngine:
         # sync: one pickled allgather at set-up, so diverging ranks fail here, named
         runtime.check_same_everywhere(dims.world, config_mod.to_dict(cfg),
                                       [(n, tuple(p.shape)) for n, p in plan.order])
-        self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world,
-                                          bucket_elements(cfg.bucket_size, self.world),
-                                          cfg.alignment, units=plan.unit_sizes)
+        self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world, bucket,
+                                          cfg.alignment, units=plan.unit_sizes, at_least=at_least)
         own = ([Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)] if parts.owns_all
                else layout.chunks(self.rank))
         grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype

@@ -31,7 +31,7 @@ class Plan:
     unit_sizes: list[int] | None = None  # parameters per unit (None: one unit)
     unit_names: list[str] = field(default_factory=list)
     unit_persistent: list[bool] = field(default_factory=list)
-    unit_roots: list = field(default_factory=list)  # the module whose forward gathers each unit
+    unit_roots: list = field(default_factory=list)  # the modules whose forward gathers each unit (tuple; None: persistent)
     model: nn.Module | None = None       # stage 3: names modules in error messages
 
 
@@ -57,7 +57,7 @@ class ReplicatedParams:
     """Stages 0-2: full parameters on every rank (views of state.flat_param)."""
 
     @staticmethod
-    def plan(model: nn.Module, trainable: list, cfg) -> Plan:
+    def plan(model: nn.Module, trainable: list, cfg, coalesce_below: int = 0) -> Plan:
         # Backward order: the last registered parameter usually gets its gradient first.
         return Plan(order=trainable[::-1])
 

@@ -2,10 +2,15 @@
 which rank owns which elements.
 
 Layout. Parameters are packed, in the order given (the engine passes backward order),
-into one flat index space, each starting at a multiple of `align`. The space is cut into
-blocks of `block` elements (the communication bucket); the last block is shorter. Every
-block size is a multiple of world * align, so each block splits into `world` equal,
-aligned chunks, and rank r owns chunk r of every block:
+into one flat index space, each starting at a multiple of `align`. The space (each
+stage-3 unit's span on its own) is cut into balanced blocks of about `block` elements
+(the communication bucket): a span of L elements becomes nb blocks whose sizes differ by
+at most world * align, with nb = ceil(L / block) (every block <= block: the bucket is a
+memory budget) or, with at_least=True, nb = max(1, L // block) (every block >= block
+when L >= block: the bucket is a floor on the per-rank chunk, zero.bucket_size "auto"
+at large N). No block is a short remainder. Every block size is a multiple of
+world * align, so each block splits into `world` equal, aligned chunks, and rank r owns
+chunk r of every block:
 
     flat:   | block 0: r0 r1 r2 | block 1: r0 r1 r2 | last: r0 r1 r2 |
     shard of r1 (contiguous storage) = [block0.r1 | block1.r1 | last.r1]
@@ -25,6 +30,25 @@ from typing import Iterator, NamedTuple, Sequence
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def split_span(s: int, e: int, block: int, unit: int, at_least: bool = False) -> list[tuple[int, int]]:
+    """Balanced blocks of the span [s, e) (s, e, block: multiples of `unit`): nb blocks
+    of q // nb or q // nb + 1 units (q = (e - s) / unit, the larger ones first), with
+    nb = ceil(q / b) so that every block <= block, or with at_least nb = max(1, q // b)
+    so that every block >= block whenever the span is (b = block / unit). An empty span
+    has no blocks."""
+    q, b = (e - s) // unit, block // unit
+    if q == 0:
+        return []
+    nb = max(1, q // b) if at_least else -(-q // b)
+    base, extra = divmod(q, nb)
+    out, pos = [], s
+    for i in range(nb):
+        size = (base + (i < extra)) * unit
+        out.append((pos, pos + size))
+        pos += size
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,10 +100,15 @@ class FlatLayout:
 
     `units` (optional) groups consecutive parameters (counts per unit, summing to
     len(numels)); each unit starts on a block boundary so it can be gathered alone
-    (stage 3 gathers one module's parameters at a time). Default: one unit."""
+    (stage 3 gathers one module's parameters at a time). Default: one unit.
+
+    Each span is cut into balanced blocks (`split_span`): at most `block` elements each
+    (rounded up to a multiple of world * align), or with at_least=True at least `block`
+    each when the span holds that many (and below (1 + 1/nb) x block). `self.block` is
+    the largest block actually used: buffers are sized from it."""
 
     def __init__(self, numels: Sequence[int], world: int, block: int, align: int = 1,
-                 units: Sequence[int] | None = None):
+                 units: Sequence[int] | None = None, at_least: bool = False):
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         if align < 1:
@@ -107,14 +136,15 @@ class FlatLayout:
         self.total = max(pos, unit)  # at least one (padding-only) block
         if pos == 0:  # nothing but empty parameters: one padding block
             spans = [(0, unit)] + spans[1:] if spans else [(0, unit)]
-        largest = max(e - s for s, e in spans)
-        self.block = min(max(round_up(int(block), unit), unit), largest)
+        self.requested = max(round_up(int(block), unit), unit)  # the bucket, in whole units
+        self.at_least = bool(at_least)
         self.blocks: list[tuple[int, int]] = []
         self.unit_blocks: list[range] = []  # block indices of each unit
         for s, e in spans:
             first = len(self.blocks)
-            self.blocks += [(b, min(b + self.block, e)) for b in range(s, e, self.block)]
+            self.blocks += split_span(s, e, self.requested, unit, self.at_least)
             self.unit_blocks.append(range(first, len(self.blocks)))
+        self.block = max(e - s for s, e in self.blocks)  # the largest: buffers are sized from it
         self.unit_spans = spans
         self.unit_params: list[range] = []
         i = 0

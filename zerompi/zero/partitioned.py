@@ -9,7 +9,8 @@
   gathering resizes it back and fills it, so tensors autograd saved for backward
   (often views such as weight.t()) neither pin freed memory nor go stale.
     root forward pre-hook  -> gather the unit (a prefetched one just waits)
-    root forward post-hook -> release it; hook the outputs so that backward gathers again
+    root forward post-hook -> release it (a coalesced unit of several sibling roots: after
+                              its last root); hook the outputs so that backward gathers again
     the unit's last gradient accumulated -> release it (gradients go through the
     per-bucket reduce-scatter of grads.py into the gradient shard)
 - Agreement rounds (rounds.py): what is gathered never depends on every rank running
@@ -32,9 +33,10 @@ from .rounds import Rounds
 from .params import Plan
 
 class _Unit:
-    def __init__(self, idx: int, name: str, root, params: list[int], blocks: range,
+    def __init__(self, idx: int, name: str, roots, params: list[int], blocks: range,
                  span: tuple[int, int], persistent: bool):
-        self.idx, self.name, self.root, self.params, self.blocks = idx, name, root, params, blocks
+        self.idx, self.name, self.params, self.blocks = idx, name, params, blocks
+        self.roots = tuple(roots or ())  # modules whose forward gathers it (several: coalesced)
         self.lo, self.hi = span
         self.persistent = persistent
         self.full: torch.Tensor | None = None
@@ -115,9 +117,9 @@ class PartitionedParams:
                              self._predictions, self._gather, self._release)
         self._hooks = []
         for u in self.units:
-            if u.root is not None:
-                self._hooks.append(u.root.register_forward_pre_hook(self._pre_forward(u)))
-                self._hooks.append(u.root.register_forward_hook(self._post_forward(u)))
+            for j, root in enumerate(u.roots):
+                self._hooks.append(root.register_forward_pre_hook(self._pre_forward(u)))
+                self._hooks.append(root.register_forward_hook(self._post_forward(u, j == len(u.roots) - 1)))
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_done(self.unit_of[id(p)])))
 
@@ -176,12 +178,13 @@ class PartitionedParams:
     def _fetch(self, u: _Unit) -> None:
         if u.persistent:
             return
-        self._seq.append(u.idx)
-        trace = self._trace.get(self._phase) or []
-        try:
-            self._cursor = trace.index(u.idx, self._cursor) + 1
-        except ValueError:
-            pass
+        if len(u.roots) < 2 or not self._seq or self._seq[-1] != u.idx:  # coalesced: next root, same request
+            self._seq.append(u.idx)
+            trace = self._trace.get(self._phase) or []
+            try:
+                self._cursor = trace.index(u.idx, self._cursor) + 1
+            except ValueError:
+                pass
         if u.state == "free":
             while u.state == "free":
                 self.rounds.run(want=u)
@@ -231,11 +234,12 @@ class PartitionedParams:
             self._fetch(u)
         return hook
 
-    def _post_forward(self, u: _Unit):
+    def _post_forward(self, u: _Unit, last: bool):
         def hook(mod, args, output):
             if self._phase == "backward":
                 return  # recomputation (activation checkpointing): backward still needs it
-            self._release(u)
+            if last:  # a coalesced unit stays gathered for its next roots (else: phase end)
+                self._release(u)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
