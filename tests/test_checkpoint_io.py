@@ -2,6 +2,7 @@
 identically and that catch a flipped byte, legacy sha256 entries still checked, and a
 save that streams the engine's own buffers (no concatenated copy of the shard)."""
 import hashlib
+import sys
 import os
 
 import h5py
@@ -138,3 +139,21 @@ def test_version_1_manifests_with_digest_entries_still_verify(tmp_path):
         else:
             with pytest.raises(CheckpointError, match="format version 3, this zerompi reads versions 1, 2"):
                 verify_checkpoint(path)
+
+
+def test_cleanup_removes_a_dead_writers_latest_temporary_at_once(tmp_path):
+    """A SIGKILL inside write_latest leaves .latest.HOST-PID.XXXX.tmp: the next good save's
+    cleanup removes it when that pid is dead on this host, and keeps a live writer's."""
+    import socket
+    import subprocess
+
+    from zerompi.checkpoint import directory
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    (tmp_path / f".latest.{host}-{dead.pid}.abcd1234.tmp").write_text("step_1\n")
+    live = tmp_path / f".latest.{host}-{os.getpid()}.efgh5678.tmp"
+    live.write_text("step_2\n")
+    directory.cleanup(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]

@@ -121,8 +121,10 @@ def assert_one_error_line(rc, out, err, needle):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["zero.tensor_parallel_size=2"],
-     "error: config key 'zero.tensor_parallel_size' = 2: tensor parallelism is not implemented"),
+    (["zero.tensor_parallel_size=3"],
+     "error: config key 'zero.tensor_parallel_size' = 3: must divide the number of ranks (2)"),
+    (["zero.tensor_parallel_size=2", "model.dropout=0.1"],
+     "error: config key 'zero.tensor_parallel_size' = 2: the model's dropout (0.1) must be 0"),
     (["--zero.optimizer.lr", "-1"], "error: config key 'zero.optimizer.lr' = -1.0: must be >= 0"),
 ])
 def test_config_error_is_one_line_on_stderr(tmp_path, corpus, args, needle):

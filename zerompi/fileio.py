@@ -7,6 +7,7 @@ the directory is fsynced so the rename itself survives a power loss.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from contextlib import contextmanager
 from typing import IO, Iterator
@@ -28,7 +29,9 @@ def atomic_file(dest: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     `f.name` is the temporary's path, for writers that need a file name."""
     dest = os.fspath(dest)
     folder = os.path.dirname(os.path.abspath(dest))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(dest) + ".", suffix=".tmp")
+    # host-pid in the name: a later cleanup can tell a crashed writer's leftover from a live one's
+    owner = f"{socket.gethostname()}-{os.getpid()}"
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(dest)}.{owner}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -114,6 +114,17 @@ def _agreed_config(argv: list[str]):
         cfg = train_config.from_argv(argv)
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", "cuda", "no CUDA device visible to this rank")
+        tp = cfg.zero.tensor_parallel_size
+        if world.size % tp:
+            raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({world.size})")
+        if tp > 1:
+            from .models.parallelize import check_tp
+
+            try:
+                check_tp(cfg.model.gpt_config(), tp)
+            except ValueError as e:  # names the model field; the key as typed here
+                raise ValueError(str(e).replace("config key 'tensor_parallel_size'",
+                                                "config key 'zero.tensor_parallel_size'")) from None
     except ValueError as e:
         error = e
     mine = to_dict(cfg) if cfg else None

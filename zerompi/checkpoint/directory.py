@@ -6,7 +6,7 @@ DIR/
   .tmp-TAG-XXXX/         a save in progress (.owner names its process), or the remains
                          of one that crashed: cleanup() removes only those whose owner is gone
   .old-TAG-XXXX/         a checkpoint moved aside while TAG is being replaced
-  .latest.XXXX.tmp       `latest` being replaced, or what a crash left of that
+  .latest.HOST-PID.XXXX.tmp  `latest` being replaced, or what a crash left of that
 
 Crash safety comes from ordering: a checkpoint directory only ever appears under its
 tag by rename(2) after every file in it is fsynced, and `latest` is replaced atomically
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -91,12 +92,26 @@ def cleanup(directory: str) -> None:
         p = os.path.join(directory, entry)
         if entry.startswith((fmt.TMP_PREFIX, fmt.OLD_PREFIX)) and os.path.isdir(p) and _owner_gone(p):
             shutil.rmtree(p, ignore_errors=True)
-        elif entry.startswith(f".{fmt.LATEST}.") and os.path.isfile(p):  # write_latest's temporary
+        elif entry.startswith(f".{fmt.LATEST}.") and os.path.isfile(p) and _latest_tmp_gone(entry, p):
             try:
-                if time.time() - os.stat(p).st_mtime > 600:  # lives milliseconds unless crashed
-                    os.unlink(p)
+                os.unlink(p)
             except OSError:
                 pass
+
+
+def _latest_tmp_gone(entry: str, path: str) -> bool:
+    """write_latest's temporary (.latest.HOST-PID.XXXX.tmp, fileio.atomic_file) lives
+    milliseconds unless its writer crashed: gone when that pid is dead on this host, or
+    (another host, or an older name without the owner) when it is older than 10 min."""
+    from ..rundir import _me, _start_time
+
+    m = re.match(rf"^\.{fmt.LATEST}\.(.+)-(\d+)\.[^.]+\.tmp$", entry)
+    if m and m.group(1) == _me()["host"] and _start_time(int(m.group(2))) is None:
+        return True
+    try:
+        return time.time() - os.stat(path).st_mtime > 600
+    except OSError:
+        return False
 
 
 def _created(path: str) -> int | None:
