@@ -80,9 +80,11 @@ class Handle:
     """
 
     def __init__(self, stats: CommStats, op: str, wait_fn: Callable[[], None],
-                 test_fn: Callable[[], bool], finish: Callable[[], None] | None = None):
+                 test_fn: Callable[[], bool], finish: Callable[[], None] | None = None,
+                 idle: Callable[[], None] | None = None):
         self._stats, self._op = stats, op
         self._wait_fn, self._test_fn, self._finish = wait_fn, test_fn, finish
+        self._idle = idle  # the communicator's `idle` hook: called while this wait polls
         self.done = False
 
     def test(self) -> bool:
@@ -98,12 +100,14 @@ class Handle:
             return
         t0 = time.perf_counter()
         with waiting(self._op):  # the watchdog's deadline covers every wait
-            if timeout is None:
+            if timeout is None and self._idle is None:
                 self._wait_fn()
             else:
                 pause = 1e-5
                 while not self._test_fn():
-                    if time.perf_counter() - t0 > timeout:
+                    if self._idle is not None:
+                        self._idle()
+                    if timeout is not None and time.perf_counter() - t0 > timeout:
                         raise CommTimeout(f"{self._op}: not complete after {timeout:g} s (a peer rank "
                                           "is stuck, gone, or issued a different collective)")
                     time.sleep(pause)

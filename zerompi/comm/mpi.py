@@ -97,6 +97,10 @@ class MPICommunicator:
             self.comm = comm.Dup() if _dup else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        # Called while a wait on this communicator polls: stage 3 answers its agreement
+        # rounds here (the engine sets it on the tp group), because a dp peer may need this
+        # rank in a round before it can reach the tp collective this rank waits for.
+        self.idle = None
         if reduce_scatter not in ("ordered", "native"):
             raise ValueError(f"reduce_scatter algorithm {reduce_scatter!r}: ordered or native")
         self.algorithm = reduce_scatter
@@ -116,7 +120,7 @@ class MPICommunicator:
         return _arr(t, name, self.device_buffers)
 
     def _run(self, opname: str, req, async_op: bool, finish=None, keep=()):
-        h = Handle(self._stats, opname, req.Wait, req.Test, finish)
+        h = Handle(self._stats, opname, req.Wait, req.Test, finish, idle=self.idle)
         h.keep = keep  # buffers MPI writes into must outlive the request
         if async_op:
             return h

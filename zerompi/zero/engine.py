@@ -150,6 +150,10 @@ class ZeroEngine:
         self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype)
         self.reducer.poll = self.param_store.serve
+        if self.param_store.serve is not None and dims.tp.size > 1 and hasattr(dims.tp, "idle"):
+            # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may
+            # need this rank in a stage-3 round first (a cycle over dp x tp otherwise)
+            dims.tp.idle = self.param_store.serve
         self.micro_steps = 0      # engine.step() calls
         self.global_steps = 0     # optimizer updates applied
         self.skipped_steps = 0    # fp16 overflow skips
