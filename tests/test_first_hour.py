@@ -115,7 +115,9 @@ def _under_pty(cmd, timeout=90):
 
 
 def test_terminal_detection_sees_through_mpiexec():
-    probe = ["-c", "from zerompi.progress import watching_terminal as w; print('TTY', w())"]
+    # one write(2) per rank (print may split it), so two ranks' lines cannot interleave
+    probe = ["-c", "import os; from zerompi.progress import watching_terminal as w; "
+                   "os.write(1, f'TTY {w()}\\n'.encode())"]
     rc, out = _under_pty([sys.executable] + probe)
     assert "TTY True" in out
     rc, out = _under_pty(["mpiexec", "-n", "2", sys.executable] + probe)
