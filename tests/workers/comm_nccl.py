@@ -7,6 +7,7 @@ import json
 
 import torch
 from mpi4py import MPI
+from spread import data, ordered_sum as ordered
 
 from zerompi.comm import CommTimeout, create
 from zerompi.comm.nccl import NCCL_DTYPES, NCCLCommunicator
@@ -21,20 +22,6 @@ comm = create(backend="nccl", device=dev)
 native = create(backend="nccl", device=dev, reduce_scatter="native")
 assert isinstance(comm, NCCLCommunicator)
 done = []
-
-
-def data(case, r, n, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 * case + r)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
-    x *= 10.0 ** (6 * torch.rand(n, generator=g, dtype=torch.float64) - 3)
-    return x.to(dtype)
-
-
-def ordered(xs):
-    acc = xs[0].clone()
-    for x in xs[1:]:
-        acc.add_(x)
-    return acc
 
 
 def same(x, y, what):

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import torch
 from mpi4py import MPI
+from spread import ordered_sum
+from spread import data as _data
 
 from zerompi.comm import DoneHandle, Handle, MPICommunicator
 from zerompi.zero.partition import FlatLayout
@@ -32,19 +34,7 @@ details: dict = {"world": N}
 
 
 def data(case: int, r: int, n: int, dtype=torch.float32) -> torch.Tensor:
-    """Rank r's input of a case; magnitudes spread over 6 decades so summation order
-    shows up in the last bits."""
-    g = torch.Generator().manual_seed(10_000 * case + r)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
-    x *= 10.0 ** (6 * torch.rand(n, generator=g, dtype=torch.float64) - 3)
-    return x.to(dtype)
-
-
-def ordered_sum(xs):
-    acc = xs[0].clone()
-    for x in xs[1:]:
-        acc.add_(x)
-    return acc
+    return _data(case, r, n, dtype, base=10_000)
 
 
 def exact_sum(xs):

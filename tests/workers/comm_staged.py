@@ -12,6 +12,7 @@ import json
 
 import torch
 from mpi4py import MPI
+from spread import data
 
 from zerompi.comm import MPICommunicator, create
 from zerompi.comm.staged import SLOT_BYTES, StagedMPICommunicator, device_mpi
@@ -36,13 +37,6 @@ details: dict = {"world": N, "device": str(dev)}
 def staged(slot_bytes, algorithm="ordered"):
     return StagedMPICommunicator(reduce_scatter=algorithm, device=dev, slot_bytes=slot_bytes,
                                  stage_cpu=dev.type == "cpu")
-
-
-def data(case, r, n, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 * case + r)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
-    x *= 10.0 ** (6 * torch.rand(n, generator=g, dtype=torch.float64) - 3)
-    return x.to(dtype)
 
 
 def bits(x):
