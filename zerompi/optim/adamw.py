@@ -132,11 +132,13 @@ class ShardedAdamW:
         """Per segment: (master, stored gradient, exp_avg, exp_avg_sq, low-precision copy)."""
         return self._views
 
-    def grad_sq_norm(self) -> float:
-        """Squared L2 norm (float64) of the stored gradients of this rank's segments."""
+    def grad_sq_norm(self, weights: Sequence[float] | None = None) -> float:
+        """Squared L2 norm (float64) of the stored gradients of this rank's segments;
+        `weights` (per segment) scales each one's share (tp replicas count 1/tp)."""
         total = 0.0
-        for _, g, _, _, _ in self._views:
-            total += float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+        for k, (_, g, _, _, _) in enumerate(self._views):
+            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+            total += sq if weights is None else weights[k] * sq
         return total
 
     def state_dict(self) -> dict:

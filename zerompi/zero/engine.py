@@ -266,7 +266,7 @@ class ZeroEngine:
         """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
         and which parameters got a gradient on any rank: one small all-reduce (over
         dp x tp: a tp rank's split parameters are distinct, replicas count once)."""
-        local = self.tp_grads.sq_norm(self.optimizer.views)
+        local = self.optimizer.grad_sq_norm(self.tp_grads.weights)
         if self.parts.owns_all:
             local /= self.world  # every rank holds the whole reduced gradient
         # sync: one float64 all-reduce; every rank decides overflow/clipping identically

@@ -22,7 +22,7 @@ class TPGrads:
         self.tp = tp
         self.any_split = any(tp_layout.split_of(p) is not None for p in params)  # a tp model (any tp size)
         rep = [tp_layout.split_of(params[s.param]) is None for s in segments]
-        self.weights = [1.0 / tp.size if r else 1.0 for r in rep]
+        self.weights = [1.0 / tp.size if r else 1.0 for r in rep]  # per segment, for the norm
         self.replicated = [views[k][1] for k, r in enumerate(rep) if r]
 
     def average_replicated(self) -> None:
@@ -38,13 +38,6 @@ class TPGrads:
             g.copy_(buf[pos:pos + g.numel()].view_as(g))
             pos += g.numel()
 
-    def sq_norm(self, views: list) -> float:
-        """This rank's share of the squared gradient norm (float64), replicas weighted 1/tp."""
-        total = 0.0
-        for w, (_, g, _, _, _) in zip(self.weights, views):
-            total += w * float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
-        return total
-
 
 def assemble_full(tracked: dict[str, torch.Tensor], params: dict, tp, root_only: bool
                   ) -> dict[str, torch.Tensor]:
@@ -55,16 +48,18 @@ def assemble_full(tracked: dict[str, torch.Tensor], params: dict, tp, root_only:
     if not any(tp_layout.split_of(p) is not None for p in params.values()):
         return tracked
     splits = tp.allgather_object({n: tp_layout.split_of(p) for n, p in params.items() if n in tracked})
+    root = not root_only or tp.rank == 0
     out = {}
     for name, local in tracked.items():
         split = splits[tp.rank][name]
         if split is None:
-            out[name] = local
+            if root:
+                out[name] = local
             continue
         flat = local.reshape(-1).float().contiguous()
         recv = torch.empty(tp.size * flat.numel(), dtype=torch.float32)
         tp.all_gather(flat, recv)
-        if root_only and tp.rank != 0:
+        if not root:
             continue
         full = torch.empty(split.full_shape, dtype=torch.float32).view(-1)
         for r in range(tp.size):
@@ -72,4 +67,4 @@ def assemble_full(tracked: dict[str, torch.Tensor], params: dict, tp, root_only:
             for flo, fhi, llo in tp_layout.full_ranges(tuple(local.shape), splits[r][name], 0, flat.numel()):
                 full[flo:fhi] = part[llo:llo + fhi - flo]
         out[name] = full.view(split.full_shape)
-    return out if not (root_only and tp.rank != 0) else {}
+    return out
