@@ -33,6 +33,7 @@ Exit codes:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -112,6 +113,8 @@ def _agreed_config(argv: list[str]):
     cfg, error = None, None
     try:
         cfg = train_config.from_argv(argv)
+        if cfg.device == "auto":  # resolved per rank; ranks that disagree fail the check below
+            cfg = dataclasses.replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", "cuda", "no CUDA device visible to this rank")
         tp = cfg.zero.tensor_parallel_size
@@ -187,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     # ---------------------------------------------------------------- process grid
-    dims = ParallelDims.from_config(cfg.zero)
     local_rank, local_ranks = runtime.local_rank(runtime.init())
+    device = torch.device("cpu")
+    if cfg.device == "cuda":  # visible on every rank: checked with the config
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    # sync: communicators for where the tensors live (NCCL / device MPI on GPUs)
+    dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None)
     threads = cfg.threads or _threads_per_rank(local_ranks)
     torch.set_num_threads(threads)
 
@@ -218,11 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         from .models.parallelize import parallelize
 
         model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
-    device = torch.device("cpu")
-    if cfg.device == "cuda":  # visible on every rank: checked with the config
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        model.to(device)
+    model.to(device)
     # Biases and norm weights get no weight decay (the usual GPT recipe).
     groups = decay_groups(model, cfg.zero.optimizer.weight_decay)
     engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)

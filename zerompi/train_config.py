@@ -106,9 +106,11 @@ class TrainConfig:
     from the checkpoint's (logged); without it such a difference is an error."""
     seed: int = 1337
     """Model initialisation and data order (zero.seed drives per-rank RNG such as dropout)."""
-    device: str = "cpu"
-    """cpu | cuda. cuda: the engine still refuses GPU parameters (issue 11: the comm layer
-    for device buffers exists, the device step does not), so today this fails at start."""
+    device: str = "auto"
+    """auto | cpu | cuda. auto: cuda when a GPU is visible, else cpu. cuda: each rank takes
+    GPU (node-local rank mod visible GPUs); shards, buckets and gathered parameters live
+    there, collectives go through zero.comm.backend (auto: NCCL, else MPI on device
+    buffers, CUDA-aware or host-staged)."""
     threads: int = 0
     """torch threads per rank; 0 = this node's CPUs divided by its ranks."""
     peak_flops: float = 0.0
@@ -143,8 +145,8 @@ class TrainConfig:
         if self.block_size > self.model.gpt_config().block_size:
             _fail("block_size", self.block_size,
                   f"must be <= the model's context length {self.model.gpt_config().block_size}")
-        if self.device not in ("cpu", "cuda"):
-            _fail("device", self.device, "must be cpu or cuda")
+        if self.device not in ("auto", "cpu", "cuda"):
+            _fail("device", self.device, "must be auto, cpu or cuda")
         if self.progress not in ("auto", "bar", "lines", "none"):
             _fail("progress", self.progress, "must be auto, bar, lines or none")
         if not self.peak_flops >= 0:

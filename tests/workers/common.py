@@ -86,10 +86,11 @@ def vocab_of(model: nn.Module) -> int:
     return model.emb.num_embeddings if hasattr(model, "emb") else model.config.vocab_size
 
 
-def global_batch(step: int, rows: int, seq: int, vocab: int):
-    g = torch.Generator().manual_seed(1000 + step)
+def global_batch(step: int, rows: int, seq: int, vocab: int, device=None):
+    g = torch.Generator().manual_seed(1000 + step)  # drawn on the CPU: the same batch anywhere
     x = torch.randint(0, vocab, (rows, seq), generator=g)
-    return x, torch.roll(x, -1, 1)
+    y = torch.roll(x, -1, 1)
+    return (x, y) if device is None else (x.to(device), y.to(device))
 
 
 def micro_slices(rows: int, gas: int, rank: int, world: int) -> list[slice]:
@@ -101,7 +102,8 @@ def micro_slices(rows: int, gas: int, rank: int, world: int) -> list[slice]:
 
 
 def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, clip: float,
-                  micro: int = 1, wd: float = 0.01, groups: bool = False, grad_step: int = 0):
+                  micro: int = 1, wd: float = 0.01, groups: bool = False, grad_step: int = 0,
+                  device=None):
     """Single-process torch.optim.AdamW on the whole global batch; `micro` > 1 sums
     the same batch in that many pieces (same maths, other rounding: the noise floor)."""
     from zerompi.optim import decay_groups
@@ -110,7 +112,7 @@ def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
     losses, norms, grads0 = [], [], None
     for step in range(steps):
-        x, y = global_batch(step, rows, seq, vocab_of(model))
+        x, y = global_batch(step, rows, seq, vocab_of(model), device)
         opt.zero_grad()
         total = 0.0
         for m in range(micro):

@@ -33,16 +33,25 @@ ap.add_argument("--coalesce", type=lambda v: v if v == "auto" else int(v), defau
                 help="stage3.coalesce_elements")
 ap.add_argument("--init", default="0", help="0: plain build, 1: under zerompi.Init, 0,1: both "
                 "(stage 3 only; results 'stageS' and 'stageS_init')")
+ap.add_argument("--device", default="cpu", help="cpu | cuda (every rank on cuda:0 unless "
+                "there are as many GPUs as ranks)")
+ap.add_argument("--backend", default="auto", help="comm.backend")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
 rank, N = world.rank, world.size
 result = {"world": N}
-if rank == 0:
-    ref = make_model(a.model)
-    losses, norms, grads0 = reference_run(ref, a.steps, a.rows, a.seq, a.lr, a.clip, groups=a.groups)
-    floor_model = make_model(a.model)
-    _, _, _ = reference_run(floor_model, a.steps, a.rows, a.seq, a.lr, a.clip, micro=a.gas * N, groups=a.groups)
+dev = torch.device("cpu")
+if a.device == "cuda":
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+if rank == 0:  # the reference runs where the engine runs (same kernels, one process)
+    ref = make_model(a.model).to(dev)
+    losses, norms, grads0 = reference_run(ref, a.steps, a.rows, a.seq, a.lr, a.clip, groups=a.groups,
+                                          device=dev)
+    floor_model = make_model(a.model).to(dev)
+    _, _, _ = reference_run(floor_model, a.steps, a.rows, a.seq, a.lr, a.clip, micro=a.gas * N,
+                            groups=a.groups, device=dev)
     refp = dict(ref.named_parameters())
     result["ref_losses"], result["ref_norms"] = losses, norms
     result["floor"] = max((p - refp[n]).abs().max().item() for n, p in floor_model.named_parameters())
@@ -55,16 +64,17 @@ for stage, init in runs:
            "gradient_clipping": a.clip, "bucket_size": a.bucket,
            "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
                       "unit_min_elements": a.unit_min, "coalesce_elements": a.coalesce},
-           "optimizer": {"lr": a.lr, "weight_decay": 0.01}}
+           "optimizer": {"lr": a.lr, "weight_decay": 0.01}, "comm": {"backend": a.backend}}
     if init:
         with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well
             model = make_model(a.model)
     else:
         model = make_model(a.model)
+    model.to(dev)
     engine = zerompi.initialize(model, cfg, param_groups=decay_groups(model, 0.1) if a.groups else None)
     losses, norms, grad_err = [], [], None
     for step in range(a.steps):
-        x, y = global_batch(step, a.rows, a.seq, vocab_of(model))
+        x, y = global_batch(step, a.rows, a.seq, vocab_of(model), dev)
         tot = 0.0
         for sl in micro_slices(a.rows, a.gas, rank, N):
             _, loss = engine(x[sl], y[sl])
@@ -99,6 +109,10 @@ for stage, init in runs:
             "max_diff": max((sd[n] - p.detach()).abs().max().item() for n, p in refp.items()),
             "losses": losses, "norms": norms, "grad_rel_err": grad_err,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "devices": sorted({str(p.device) for p in model.parameters()} |
+                              {str(t.device) for t in engine.state.buffers().values()}),
+            "backend": type(engine.comm).__name__,
+            "optimizer": type(engine.optimizer).__name__,
         }
     if stage == 3:  # units gathered for a peer only, summed over ranks (> 0: ranks diverged)
         foreign = world.allreduce(engine.param_store.rounds.foreign, op=MPI.SUM)

@@ -48,6 +48,13 @@ def _gpu_key(dev: torch.device) -> str:
     return f"{socket.gethostname()}/{getattr(props, 'uuid', dev.index)}"
 
 
+def carries_gpu_tensors(c) -> bool:
+    """True when communicator `c` can move CUDA tensors (NCCL, CUDA-aware MPI, or MPI
+    staged through pinned host memory for a GPU)."""
+    return (getattr(c, "backend", None) == "nccl" or getattr(c, "device_buffers", False)
+            or getattr(getattr(c, "device", None), "type", None) == "cuda")
+
+
 def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", device=None):
     """A communicator over `world` (an mpi4py communicator; COMM_WORLD if None) for
     tensors on `device` (None or cpu: host tensors; cuda[:k]: this rank's GPU).
@@ -87,4 +94,4 @@ def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", d
     return MPICommunicator(world, reduce_scatter=reduce_scatter)
 
 
-__all__ = ["CommStats", "CommTimeout", "Communicator", "Handle", "DoneHandle", "MPICommunicator", "create"]
+__all__ = ["CommStats", "CommTimeout", "Communicator", "Handle", "DoneHandle", "MPICommunicator", "carries_gpu_tensors", "create"]

@@ -29,6 +29,9 @@
   in-place ncclAllGather. 'native' uses ncclReduceScatter / ncclAllReduce: faster on
   multi-node rings, but NCCL sums in an order of its own (ring/tree, chosen by size and
   topology), so bitwise bucket-size independence does NOT hold there.
+- Host tensors: a collective whose tensors are all on the CPU (stage 3's agreement
+  rounds, small control messages) goes through the group's MPI communicator instead,
+  so one communicator per group serves both kinds and callers never pick a transport.
 - dtypes: NCCL's enum values (nccl.h), bf16 = 9 set explicitly (cupyx's map lacks it);
   bool travels as uint8 and 'lor' is a max on it.
 Counting follows base.py: all_reduce 2n, reduce_scatter its input, all_gather its output.
@@ -68,6 +71,11 @@ def unavailable(device: "torch.device | str | None" = None) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
+
+
+def _on_host(*ts) -> bool:
+    """True when every tensor is a CPU tensor (or numpy array): MPI carries it."""
+    return all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in ts)
 
 
 class _NcclHandle(Handle):
@@ -187,6 +195,8 @@ class NCCLCommunicator:
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, t, op: str = "sum", async_op: bool = False, scratch=None):
+        if _on_host(t):
+            return self.mpi.all_reduce(t, op, async_op, scratch)
         dt, n = self._check(t, "all_reduce"), t.numel()
         self._stats.record("all_reduce", 2 * n, t.element_size())
         rop = self._op(op, t)
@@ -204,6 +214,8 @@ class NCCLCommunicator:
             t.data_ptr(), t.data_ptr(), n, dt, rop, s), async_op)
 
     def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False, scratch=None):
+        if _on_host(send, recv):
+            return self.mpi.reduce_scatter(send, recv, op, async_op, scratch)
         dt, n = self._check(send, "send"), recv.numel()
         self._check(recv, "recv")
         if send.numel() != n * self.size:
@@ -221,6 +233,8 @@ class NCCLCommunicator:
             send.data_ptr(), recv.data_ptr(), n, dt, rop, s), async_op)
 
     def all_gather(self, send, recv, async_op: bool = False):
+        if _on_host(send, recv):
+            return self.mpi.all_gather(send, recv, async_op)
         dt, n = self._check(send, "send"), send.numel()
         self._check(recv, "recv")
         if recv.numel() != n * self.size:
@@ -230,6 +244,8 @@ class NCCLCommunicator:
             send.data_ptr(), recv.data_ptr(), n, dt, s), async_op)  # send may be recv's own block
 
     def all_to_all(self, send, recv, async_op: bool = False):
+        if _on_host(send, recv):
+            return self.mpi.all_to_all(send, recv, async_op)
         dt = self._check(send, "send")
         self._check(recv, "recv")
         if send.numel() != recv.numel() or send.numel() % self.size:
@@ -239,12 +255,16 @@ class NCCLCommunicator:
         return self._launch("all_to_all", (send, recv), lambda s: self._a2a(send, recv, dt, s), async_op)
 
     def broadcast(self, t, root: int = 0) -> None:
+        if _on_host(t):
+            return self.mpi.broadcast(t, root)
         dt, n = self._check(t, "broadcast"), t.numel()
         self._stats.record("broadcast", n, t.element_size())
         self._launch("broadcast", (t,), lambda s: self._comm.bcast(t.data_ptr(), n, dt, root, s), False)
 
     def gather(self, send, recv, root: int = 0) -> None:
         """recv (N*n, on `root` only) = concatenation over ranks of send (point-to-point)."""
+        if _on_host(send, *([recv] if recv is not None else [])):
+            return self.mpi.gather(send, recv, root)
         dt, n = self._check(send, "send"), send.numel()
         self._stats.record("gather", n * self.size, send.element_size())
         keep = (send, recv) if self.rank == root else (send,)

@@ -132,13 +132,20 @@ class ShardedAdamW:
         """Per segment: (master, stored gradient, exp_avg, exp_avg_sq, low-precision copy)."""
         return self._views
 
-    def grad_sq_norm(self, weights: Sequence[float] | None = None) -> float:
-        """Squared L2 norm (float64) of the stored gradients of this rank's segments;
-        `weights` (per segment) scales each one's share (tp replicas count 1/tp)."""
-        total = 0.0
+    def grad_sq_norm(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        """Squared L2 norm of the stored gradients of this rank's segments, as a 0-d
+        float64 tensor on their device (no host wait here: the engine reads it once);
+        `weights` (per segment) scales each one's share (tp replicas count 1/tp).
+        Summed in segment order, in float64, as Python floats would be."""
+        total = None
         for k, (_, g, _, _, _) in enumerate(self._views):
-            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
-            total += sq if weights is None else weights[k] * sq
+            sq = torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+            if weights is not None:
+                sq = sq * weights[k]
+            total = sq if total is None else total + sq
+        if total is None:
+            dev = self._views[0][1].device if self._views else torch.device("cpu")
+            total = torch.zeros((), dtype=torch.float64, device=dev)
         return total
 
     def state_dict(self) -> dict:

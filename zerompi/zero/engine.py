@@ -88,12 +88,21 @@ def _placement(named: list) -> Placement:
         raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
                          "move the whole model to one device first")
     dev = devices.pop() if devices else torch.device("cpu")
-    if dev.type != "cpu":
-        # The placement is ready for it; the device data path (NCCL, device kernels,
-        # host-staged MPI) is issue 11.
-        raise ValueError(f"parameters on {dev}: the GPU data path is not implemented yet (issue 11); "
-                         "keep the model on the CPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"parameters on {dev}: zerompi trains on cpu or cuda devices")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return Placement(dev)
+
+
+def _check_dims_device(dims, placement: Placement) -> None:
+    """GPU tensors need communicators that move them; the grid is built per device."""
+    from .. import comm as comm_mod
+
+    if placement.is_cuda and not comm_mod.carries_gpu_tensors(dims.dp):
+        raise ValueError(f"the model is on {placement.device} but the process grid's communicators "
+                         "move host tensors only: build it with ParallelDims.from_config(config, "
+                         "device=...) or let initialize() build it (dims=None)")
 
 
 class ZeroEngine:
@@ -101,9 +110,12 @@ class ZeroEngine:
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
         runtime.fix_mmap_threshold()  # ZEROMPI_MALLOC=return: less RSS, slower steps (runtime.py)
+        named = _unique_params(model)
+        placement = _placement(named)  # the model's device: every buffer of state lives there
         if dims is None:
             from ..parallel import ParallelDims
-            dims = ParallelDims.from_config(cfg)
+            dims = ParallelDims.from_config(cfg, device=placement.device if placement.is_cuda else None)
+        _check_dims_device(dims, placement)
         self.dims, self.comm = dims, dims.dp  # ZeRO partitions over the data-parallel group
         self.module = model
         self.rank, self.world = self.comm.rank, self.comm.size
@@ -111,8 +123,6 @@ class ZeroEngine:
         self.mixed = self.dtype != torch.float32
         parts = self.parts = PARTS[cfg.stage]
 
-        named = _unique_params(model)
-        placement = _placement(named)
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
@@ -266,7 +276,8 @@ class ZeroEngine:
         """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
         and which parameters got a gradient on any rank: one small all-reduce (over
         dp x tp: a tp rank's split parameters are distinct, replicas count once)."""
-        local = self.optimizer.grad_sq_norm(self.tp_grads.weights)
+        # sync (GPU): the step's one host wait, for the overflow/clip decision below
+        local = float(self.optimizer.grad_sq_norm(self.tp_grads.weights))
         if self.parts.owns_all:
             local /= self.world  # every rank holds the whole reduced gradient
         # sync: one float64 all-reduce; every rank decides overflow/clipping identically

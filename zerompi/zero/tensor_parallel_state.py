@@ -57,11 +57,11 @@ def assemble_full(tracked: dict[str, torch.Tensor], params: dict, tp, root_only:
                 out[name] = local
             continue
         flat = local.reshape(-1).float().contiguous()
-        recv = torch.empty(tp.size * flat.numel(), dtype=torch.float32)
+        recv = torch.empty(tp.size * flat.numel(), dtype=torch.float32, device=flat.device)
         tp.all_gather(flat, recv)
         if not root:
             continue
-        full = torch.empty(split.full_shape, dtype=torch.float32).view(-1)
+        full = torch.empty(split.full_shape, dtype=torch.float32, device=flat.device).view(-1)
         for r in range(tp.size):
             part = recv[r * flat.numel():(r + 1) * flat.numel()]
             for flo, fhi, llo in tp_layout.full_ranges(tuple(local.shape), splits[r][name], 0, flat.numel()):

@@ -1,0 +1,79 @@
+"""One training step on a GPU, profiled: which CUDA synchronisations it calls.
+
+Writes (rank 0) per stage the counts of cudaDeviceSynchronize and of stream/event
+synchronisations the CUDA runtime saw during one engine forward/backward/step (after
+two warm-up steps), as recorded by torch.profiler. Python-level device-wide
+synchronises (torch.cuda.synchronize, cupy's Device.synchronize) raise while the step runs."""
+import argparse
+import json
+from collections import Counter
+
+import torch
+from mpi4py import MPI
+from torch.profiler import ProfilerActivity, profile
+
+import zerompi
+from common import global_batch, make_model, micro_slices, vocab_of
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--stages", default="0,1,2,3")
+ap.add_argument("--precision", default="bf16")
+a = ap.parse_args()
+
+world = MPI.COMM_WORLD
+rank, N = world.rank, world.size
+dev = torch.device("cuda", rank % torch.cuda.device_count())
+torch.cuda.set_device(dev)
+
+
+def forbidden(*_, **__):
+    raise AssertionError("device-wide synchronise inside a training step")
+
+
+def patch():
+    saved = [(torch.cuda, "synchronize", torch.cuda.synchronize)]
+    torch.cuda.synchronize = forbidden
+    try:
+        import cupy
+
+        saved.append((cupy.cuda.Device, "synchronize", cupy.cuda.Device.synchronize))
+        cupy.cuda.Device.synchronize = forbidden
+        saved.append((cupy.cuda.runtime, "deviceSynchronize", cupy.cuda.runtime.deviceSynchronize))
+        cupy.cuda.runtime.deviceSynchronize = forbidden
+    except ImportError:
+        pass
+    return saved
+
+
+def one_step(engine, step, gas):
+    x, y = global_batch(step, 8 * N, 32, vocab_of(engine.module), dev)
+    for sl in micro_slices(8 * N, gas, rank, N):
+        _, loss = engine(x[sl], y[sl])
+        engine.backward(loss)
+        engine.step()
+
+
+result = {"world": N}
+for stage in map(int, a.stages.split(",")):
+    model = make_model("gpt").to(dev)
+    engine = zerompi.initialize(model, {"stage": stage, "precision": a.precision,
+                                        "gradient_accumulation_steps": 2, "gradient_clipping": 1.0})
+    for s in range(2):
+        one_step(engine, s, 2)
+    torch.cuda.current_stream().synchronize()  # outside the measured step
+    saved = patch()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one_step(engine, 2, 2)
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    names = Counter(e.name for e in prof.events())
+    syncs = {k: v for k, v in names.items() if "Synchronize" in k}
+    result[f"stage{stage}"] = {"syncs": syncs, "device_syncs": names.get("cudaDeviceSynchronize", 0),
+                               "optimizer": type(engine.optimizer).__name__,
+                               "backend": type(engine.comm).__name__}
+if rank == 0:
+    with open(a.out, "w") as f:
+        json.dump(result, f)
