@@ -121,3 +121,13 @@ def test_train_cli_takes_deepspeed_config(tmp_path):
     bad = run_mpi(2, ["-m", "zerompi.train", "--deepspeed_config", str(tmp_path / "sched.json"), "--data",
                       str(corpus), "--run_dir", str(tmp_path / "bad")], module=False, timeout=60, check=False)
     assert bad.returncode == 2 and bad.stdout.count("deepspeed_config.scheduler.type") == 1, bad.stdout
+
+
+def test_offload_optimizer_to_cpu_maps_and_nvme_is_refused():
+    zero, _, ignored = translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "pin_memory": True, "buffer_count": 4}}}, world_size=2)
+    assert zerompi.load_config(zero).offload_optimizer == "cpu"
+    assert sorted(ignored) == ["zero_optimization.offload_optimizer.buffer_count",
+                               "zero_optimization.offload_optimizer.pin_memory"]
+    with pytest.raises(ConfigError, match="zero_optimization.offload_optimizer.device"):
+        translate({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, world_size=2)

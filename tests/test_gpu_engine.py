@@ -53,3 +53,14 @@ def test_gpu_step_has_no_device_synchronise(tmp_path):
     for stage in range(4):
         d = r[f"stage{stage}"]
         assert d["device_syncs"] == 0, (stage, d)
+
+
+def test_gpu_offloaded_optimizer_parity(tmp_path):
+    """ZeRO-Offload on a GPU: master and moments in pinned host memory, the update on the
+    host, parameters and gradients on the device; parity as on the CPU."""
+    r = run_worker(1, "parity", ["--model", "odd", "--clip", "0.05", "--device", "cuda",
+                                 "--offload", "cpu"], tmp_path, timeout=600)
+    _check_fp32(r)
+    for stage in range(4):
+        d = r[f"stage{stage}"]
+        assert d["offloaded"] > 0 and d["master_device"] == "cpu", d

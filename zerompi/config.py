@@ -91,7 +91,8 @@ class CommConfig:
     """auto | mpi | nccl. auto: NCCL for GPU tensors when every rank has its own GPU and
     cupy with NCCL, MPI otherwise (CUDA-aware or host-staged for GPU tensors); nccl where
     it cannot run (no cupy/GPU, CPU tensors, ranks sharing a GPU) is a config error.
-    The engine passes no device yet (issue 11), so today every group is MPI on CPU."""
+    The engine builds its grid for the model's device (initialize with dims=None; the
+    trainer with --device)."""
     reduce_scatter: str = "ordered"
     """ordered: alltoall + sum in rank order, bitwise independent of bucket size;
     native: the library's reduce-scatter (faster on some fabrics, order not fixed)."""
@@ -221,6 +222,11 @@ class ZeroConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    offload_optimizer: str = "none"
+    """none | cpu (ZeRO-Offload). cpu: the fp32 master weights, Adam moments and a copy of
+    the rank's gradient shard live in host memory (pinned on a GPU) and the AdamW update
+    runs on the host; parameters and gradients stay on the model's device. Same results
+    as none; less device memory, a host<->device copy of the shard per step."""
     tensor_parallel_size: int = 1
     """Ranks per tensor-parallel group (adjacent ranks); data parallelism (and ZeRO's
     partitioning) runs across groups. It must divide the number of ranks; the model must
@@ -253,6 +259,8 @@ class ZeroConfig:
             _fail("alignment", self.alignment, "must be a power of two")
         if self.max_nonfinite_steps < 0:
             _fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
+        if self.offload_optimizer not in ("none", "cpu"):
+            _fail("offload_optimizer", self.offload_optimizer, "must be none or cpu")
         if self.tensor_parallel_size < 1:
             _fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
 

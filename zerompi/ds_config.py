@@ -3,7 +3,7 @@
 `zerompi.initialize(model, "ds_config.json")` and `python -m zerompi.train
 --deepspeed_config ds_config.json` accept the file a DeepSpeed user already has. Keys
 that map onto ours are translated; keys that only tune DeepSpeed's own machinery
-(logging, overlap knobs we always do, offload) are named together in ONE warning and
+(logging, overlap knobs we always do, parameter offload) are named together in ONE warning and
 ignored; keys whose absence would change what is computed (another optimizer, an LR
 scheduler, a static loss scale, L2-style Adam) are errors, because silently training a
 different model is worse than stopping.
@@ -36,7 +36,7 @@ _ZERO_ALWAYS = {"contiguous_gradients", "overlap_comm", "reduce_scatter", "allga
 _ZERO_IGNORED = {"allgather_bucket_size", "round_robin_gradients", "sub_group_size",
                  "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                  "stage3_max_reuse_distance", "elastic_checkpoint", "load_from_fp32_weights",
-                 "ignore_unused_parameters", "legacy_stage1", "cpu_offload", "offload_optimizer",
+                 "ignore_unused_parameters", "legacy_stage1", "cpu_offload",
                  "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
                  "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
                  "memory_efficient_linear", "stage3_module_granularity_threshold", "log_trace_cache_warnings"}
@@ -131,6 +131,14 @@ def _zero(ds: Mapping, out: dict, ignored: list[str]) -> None:
         out["stage"] = _int("zero_optimization.stage", z["stage"])
     if _set(z.get("reduce_bucket_size")):
         out["bucket_size"] = _int("zero_optimization.reduce_bucket_size", z["reduce_bucket_size"])
+    off = z.get("offload_optimizer")
+    if isinstance(off, Mapping) and off.get("device", "none") not in ("none", None):
+        if off["device"] != "cpu":  # nvme: the states would silently stay in memory
+            raise ConfigError("zero_optimization.offload_optimizer.device", off["device"],
+                              "zerompi offloads the optimizer to cpu only")
+        out["offload_optimizer"] = "cpu"
+        ignored += [f"zero_optimization.offload_optimizer.{k}" for k in off if k != "device"
+                    and not _noop(off[k])]  # pin_memory, buffer_count...: tuning only
     s3 = {}
     if _set(z.get("stage3_param_persistence_threshold")):
         s3["persistence_threshold"] = _int("zero_optimization.stage3_param_persistence_threshold",
@@ -147,7 +155,7 @@ def _zero(ds: Mapping, out: dict, ignored: list[str]) -> None:
         out["stage3"] = s3
     for k, v in z.items():
         if k in ("stage", "reduce_bucket_size", "stage3_param_persistence_threshold",
-                 "stage3_max_live_parameters", "stage3_prefetch_bucket_size"):
+                 "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "offload_optimizer"):
             continue
         if k in _ZERO_ALWAYS and v is not False:
             continue  # what zerompi does anyway

@@ -36,6 +36,7 @@ ap.add_argument("--init", default="0", help="0: plain build, 1: under zerompi.In
 ap.add_argument("--device", default="cpu", help="cpu | cuda (every rank on cuda:0 unless "
                 "there are as many GPUs as ranks)")
 ap.add_argument("--backend", default="auto", help="comm.backend")
+ap.add_argument("--offload", default="none", help="offload_optimizer")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
@@ -64,7 +65,8 @@ for stage, init in runs:
            "gradient_clipping": a.clip, "bucket_size": a.bucket,
            "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
                       "unit_min_elements": a.unit_min, "coalesce_elements": a.coalesce},
-           "optimizer": {"lr": a.lr, "weight_decay": 0.01}, "comm": {"backend": a.backend}}
+           "optimizer": {"lr": a.lr, "weight_decay": 0.01}, "comm": {"backend": a.backend},
+           "offload_optimizer": a.offload}
     if init:
         with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well
             model = make_model(a.model)
@@ -113,6 +115,8 @@ for stage, init in runs:
                               {str(t.device) for t in engine.state.buffers().values()}),
             "backend": type(engine.comm).__name__,
             "optimizer": type(engine.optimizer).__name__,
+            "offloaded": engine.memory_report()["offloaded"],
+            "master_device": str(engine.state.exp_avg.device),
         }
     if stage == 3:  # units gathered for a peer only, summed over ranks (> 0: ranks diverged)
         foreign = world.allreduce(engine.param_store.rounds.foreign, op=MPI.SUM)

@@ -144,7 +144,8 @@ class ZeroEngine:
                else layout.chunks(self.rank))
         grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype
         self.state = ShardState(layout, own, placement, self.dtype, grad_dtype,
-                                replicated=parts.store is ReplicatedParams, full_grads=parts.full_grads)
+                                replicated=parts.store is ReplicatedParams, full_grads=parts.full_grads,
+                                offload=cfg.offload_optimizer == "cpu")
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        self.comm, cfg, owns_all=parts.owns_all)
         sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
@@ -245,6 +246,8 @@ class ZeroEngine:
         if not boundary:
             return False
         scale = self.scaler.scale
+        if self.state.offload:
+            self.state.offload_grads()  # sync (GPU): device -> host before the host update
         self.tp_grads.average_replicated()  # sync (tp > 1): replicas of norms/biases stay equal
         sumsq, used = self._grad_stats()
         overflow = not math.isfinite(sumsq)

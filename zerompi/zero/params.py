@@ -53,6 +53,17 @@ def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype
             b.data = t.to(dtype) if t.is_floating_point() else t
 
 
+def keep_changes(new: torch.Tensor, master: torch.Tensor, old: torch.Tensor | None = None) -> None:
+    """Edits made under GatheredParameters reach the fp32 master: elements whose working
+    value changed (vs `old`, default the master rounded) take it; the others keep fp32
+    precision. The master may be in host memory (offloaded optimizer)."""
+    m = master.to(new.device)
+    changed = new != (m.to(new.dtype) if old is None else old)
+    m[changed] = new[changed].float()
+    if m is not master:
+        master.copy_(m)
+
+
 class ReplicatedParams:
     """Stages 0-2: full parameters on every rank (views of state.flat_param)."""
 
@@ -109,7 +120,7 @@ class ReplicatedParams:
             full = (st.master if st.mixed else st.flat_param).float()
         else:
             gathered = st.placement.empty(self.comm.size * self.layout.shard_size, torch.float32)
-            self.comm.all_gather(st.master, gathered)
+            self.comm.all_gather(st.master.to(gathered.device), gathered)  # offloaded: host master
             full = flat.unshard(gathered.view(self.comm.size, -1), self.layout)
         if not (all_ranks or self.comm.rank == 0):
             return {}
@@ -129,11 +140,9 @@ class ReplicatedParams:
             for p in params:  # contiguous views of flat_param
                 self.comm.broadcast(p.data, root=modifier_rank)
         st = self.state
-        if st.mixed:  # fp32 runs: flat_param is the master itself
+        if st.master is not None:  # else (fp32, on the device) flat_param is the master itself
             for sp in self.layout.spans(st.own):
-                new, master = st.flat_param[sp.mine], st.master[sp.shard]
-                changed = new != master.to(new.dtype)
-                master[changed] = new[changed].float()
+                keep_changes(st.flat_param[sp.mine], st.master[sp.shard])
 
     def materialized(self) -> list[str]:
         return list(self.names)

@@ -30,7 +30,7 @@ import torch.nn as nn
 from . import flat, units as units_mod
 from .init_context import adopt
 from .rounds import Rounds
-from .params import Plan
+from .params import Plan, keep_changes
 
 class _Unit:
     def __init__(self, idx: int, name: str, roots, params: list[int], blocks: range,
@@ -270,7 +270,7 @@ class PartitionedParams:
         """fp32 parameters, streamed unit by unit to rank 0 (every rank with all_ranks):
         other ranks never hold more than one unit's chunk."""
         st, out = self.state, {}
-        src = st.master if st.mixed else st.shard_param
+        src = (st.master if st.mixed else st.shard_param).to(st.placement.device)  # offloaded: host master
         keep = all_ranks or self.comm.rank == 0
         for u in self.units:
             buf = st.placement.empty(u.size, torch.float32) if keep else None
@@ -303,10 +303,8 @@ class PartitionedParams:
                     self.comm.broadcast(u.full, root=modifier_rank)
                 for sp in self.layout.spans(st.own, u.blocks, u.lo):
                     new, old = u.full[sp.mine], st.shard_param[sp.shard]
-                    if st.mixed:  # keep fp32 precision where the value did not change
-                        m = st.master[sp.shard]
-                        changed = new != old
-                        m[changed] = new[changed].float()
+                    if st.master is not None:  # keep fp32 precision where the value did not change
+                        keep_changes(new, st.master[sp.shard], old)
                     old.copy_(new)
                 self._release(u)
 

@@ -12,6 +12,12 @@ engine derives from the stage (zero/engine.py, PARTS):
   exp_avg(_sq)  owned               always                          fp32
   flat_grad     layout.total        full gradients (0-1)            grad dtype
   grad_shard    owned               partitioned gradients (2-3)     grad dtype
+  host_grad     owned               offload_optimizer = cpu         fp32
+
+With the optimizer offloaded (ZeRO-Offload), master, exp_avg(_sq) and host_grad live in
+host memory (pinned when the model is on a GPU) and the master exists in fp32 too (the
+device parameters are then its working copy): the update runs on the host and writes
+each segment back to the device.
 
 `owned` = the elements of this rank's chunks (stage 0: every element, shard index =
 flat index). The optimizer reads and writes these through segment views (views()).
@@ -30,8 +36,11 @@ from .partition import Chunk, FlatLayout
 class ShardState:
     def __init__(self, layout: FlatLayout, own: Sequence[Chunk], placement: Placement,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, *, replicated: bool,
-                 full_grads: bool):
+                 full_grads: bool, offload: bool = False):
         self.layout, self.own, self.placement = layout, list(own), placement
+        self.offload = offload
+        # where the optimizer's state lives: the device, or host memory (pinned for async copies)
+        self.opt_placement = Placement(torch.device("cpu"), pinned=placement.is_cuda) if offload else placement
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.mixed = param_dtype != torch.float32
         self.replicated = replicated
@@ -39,11 +48,13 @@ class ShardState:
         z = placement.zeros
         self.flat_param = z(layout.total, param_dtype) if replicated else None
         self.shard_param = None if replicated else z(owned, param_dtype)
-        self.master = z(owned, torch.float32) if self.mixed else None
-        self.exp_avg = z(owned, torch.float32)
-        self.exp_avg_sq = z(owned, torch.float32)
+        zo = self.opt_placement.zeros
+        self.master = zo(owned, torch.float32) if self.mixed or offload else None
+        self.exp_avg = zo(owned, torch.float32)
+        self.exp_avg_sq = zo(owned, torch.float32)
         self.flat_grad = z(layout.total, grad_dtype) if full_grads else None
         self.grad_shard = None if full_grads else z(owned, grad_dtype)
+        self.host_grad = zo(owned, torch.float32) if offload else None
 
     # ------------------------------------------------------------ initial values
     def set_full(self, full32: torch.Tensor, blocks=None, base: int = 0) -> None:
@@ -55,7 +66,7 @@ class ShardState:
                 self.flat_param[base:base + full32.numel()].copy_(full32)
         else:
             gather_chunks(full32, self.layout, self.own, self.shard_param, blocks, base)
-        if self.mixed:
+        if self.master is not None:
             gather_chunks(full32, self.layout, self.own, self.master, blocks, base)
 
     def scratch_full32(self) -> torch.Tensor:
@@ -77,9 +88,20 @@ class ShardState:
         of the owned piece at shard [shard_lo, +n), flat [flat_lo, +n)."""
         work = self.param_piece(shard_lo, flat_lo, n)
         sh = slice(shard_lo, shard_lo + n)
+        if self.offload:  # host master and gradient copy; the device piece is the working copy
+            return self.master[sh], self.host_grad[sh], self.exp_avg[sh], self.exp_avg_sq[sh], work
         master = self.master[sh] if self.mixed else work
         grad = self.grad_shard[sh] if self.grad_shard is not None else self.flat_grad[flat_lo:flat_lo + n]
         return master, grad, self.exp_avg[sh], self.exp_avg_sq[sh], (work if self.mixed else None)
+
+    def offload_grads(self) -> None:
+        """Offload: the reduced gradient of the owned elements -> host_grad (fp32), before
+        the host reads its norm and updates. One copy per owned span (the whole grad shard
+        at stages 2-3); the copy into pageable or pinned memory completes before return."""
+        if self.grad_shard is not None:
+            self.host_grad.copy_(self.grad_shard)
+        else:
+            gather_chunks(self.flat_grad, self.layout, self.own, self.host_grad)
 
     def grad_shard_fp32(self) -> torch.Tensor:
         if self.grad_shard is not None:
@@ -98,10 +120,15 @@ class ShardState:
                "grads": nbytes(self.flat_grad) + nbytes(self.grad_shard),
                "master": nbytes(self.master),
                "optimizer": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)}
+        rep["grads"] += nbytes(self.host_grad)
         rep["model_states"] = rep["params"] + rep["grads"] + rep["master"] + rep["optimizer"]
+        # of which in host memory because the optimizer is offloaded
+        rep["offloaded"] = (nbytes(self.master) + nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)
+                            + nbytes(self.host_grad)) if self.offload else 0
         return rep
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer this state allocated (for placement checks)."""
-        names = ("flat_param", "shard_param", "master", "exp_avg", "exp_avg_sq", "flat_grad", "grad_shard")
+        names = ("flat_param", "shard_param", "master", "exp_avg", "exp_avg_sq", "flat_grad", "grad_shard",
+                 "host_grad")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
