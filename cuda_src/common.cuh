@@ -37,6 +37,14 @@ ZM_HD float zm_u2f(u32 u) {
 #endif
 }
 
+ZM_HD double zm_u2d(u64 u) {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double((long long)u);
+#else
+  double x; __builtin_memcpy(&x, &u, 8); return x;
+#endif
+}
+
 // ---- explicitly rounded fp32 ops -------------------------------------------
 // Inline PTX, not intrinsics or operators: CuPy appends -ftz=true to every NVRTC
 // compile, which would flush subnormals in C++ float ops; literal PTX without

@@ -60,3 +60,37 @@ def adamw_inputs(n, gtag, rng, specials=True):
 # sizes and element offsets (misaligned starts) every kernel comparison runs over
 SIZES = (0, 1, 7, 1023, 100003)
 OFFSETS = ((0, 0, 0, 0, 0), (1, 1, 1, 1, 1), (3, 3, 3, 3, 3), (0, 1, 0, 2, 3))  # last: scalar path
+
+
+# ---- segment tables (adamw_table.cu): odd lengths, shuffled order, odd gaps/offsets
+TABLE_LENGTHS = (37, 0, 1, 300, 7, 1023, 5, 129, 64, 3)
+
+
+def _place(rng, lengths):
+    """Offsets of segments packed into one buffer in random order with 0-2 element
+    gaps; returns (offsets, buffer size)."""
+    offs = np.zeros(len(lengths), np.int64)
+    pos = int(rng.integers(0, 3))
+    for k in rng.permutation(len(lengths)):
+        offs[k] = pos
+        pos += lengths[k] + int(rng.integers(0, 3))
+    return offs, pos + 3
+
+
+def table_inputs(rng, gtag, otag, lengths=TABLE_LENGTHS, tile=64, skip=(2, 5)):
+    """A random segment table over four base buffers, its step rows (segments `skip`
+    skipped; per-segment hyper-parameters and steps) and the buffers' contents."""
+    from zerompi.kernels import adamw as kadamw
+    from zerompi.kernels import adamw_table as kt
+
+    lengths = np.asarray(lengths, np.int64)
+    (mo, mn), (go, gn), (vo, vn), (oo, on) = (_place(rng, lengths) for _ in range(4))
+    table = kt.build_table(lengths, mo, go, vo, oo if otag != "none" else None, tile=tile)
+    rows = np.stack([kt.step_row(None if k in skip else kadamw.adamw_scalars(
+        step=1 + k % 4, grad_coef=(0.5, 1.0, 3e-3)[k % 3], **HPARAMS[k % len(HPARAMS)]))
+        for k in range(lengths.size)])
+    master, m, v, g = adamw_inputs(max(mn, vn, gn), gtag, rng)
+    bufs = {"master": master[:mn].copy(), "exp_avg": m[:vn].copy(), "exp_avg_sq": v[:vn].copy(),
+            "grad": g[:gn].copy(),
+            "out": None if otag == "none" else encode(rng.standard_normal(on).astype(np.float32), otag)}
+    return table, rows, bufs

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from zerompi.kernels import adamw as kadamw
+from zerompi.kernels import adamw_table as kt
 from zerompi.kernels import cast as kcast
 from zerompi.kernels import grad_stats as kstats
 from zerompi.kernels.cast import (bf16_bits_to_float32, float32_to_bf16_bits)
 
-from kernel_inputs import HPARAMS, OFFSETS, SIZES, TAGS, adamw_inputs, assert_same, encode, make_grad
+from kernel_inputs import (HPARAMS, OFFSETS, SIZES, TAGS, adamw_inputs, assert_same, encode, make_grad,
+                           table_inputs)
 
 # ------------------------------------------------------------------- GPU
 
@@ -117,3 +119,94 @@ def test_gpu_checks_and_bf16_as_int16():
     out = cp.zeros(11, cp.float32)
     kcast.cast_into(cp.asarray(x.view(np.int16)), out)  # torch bf16 viewed as int16
     assert_same(out.get(), bf16_bits_to_float32(x))
+
+
+# ------------------------------------------------ segment tables (adamw_table.cu)
+
+def _table_on_device(cp, table, rows, bufs, offs):
+    dev = {k: None if a is None else _on_device(cp, a, o) for (k, a), o in zip(bufs.items(), offs)}
+    return dev, cp.asarray(table.segs), cp.asarray(table.tiles), cp.asarray(rows)
+
+
+@pytest.mark.parametrize("gtag", TAGS)
+def test_gpu_adamw_table_matches_reference(gtag):
+    cp = _cupy()
+    rng = np.random.default_rng(43)
+    for otag in ("none", "bf16", "f16"):
+        for tile, offs in ((64, (0,) * 5), (8, (1, 3, 2, 1, 3)), (8192, (0,) * 5)):
+            table, rows, bufs = table_inputs(rng, gtag, otag, tile=tile)
+            dev, segs, tiles, drows = _table_on_device(cp, table, rows, bufs, offs)
+            kt.adamw_table_step(dev["master"], dev["exp_avg"], dev["exp_avg_sq"], dev["grad"],
+                                dev["out"], segs, tiles, drows)
+            kt.adamw_table_reference(bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"],
+                                     bufs["grad"], bufs["out"], table, rows)
+            for name, want in bufs.items():
+                if want is not None:
+                    assert_same(dev[name].get(), want, f"{gtag}->{otag} tile={tile} {name}")
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_gpu_grad_stats_table_matches_reference(tag):
+    cp = _cupy()
+    rng = np.random.default_rng(44)
+    for tile, special in ((64, None), (8, np.inf), (8192, None), (8192, np.nan)):
+        table, _, bufs = table_inputs(rng, "f32", "none", tile=tile)
+        scale = np.float32(1 if tag == "f16" else 1e3)
+        g32 = make_grad(bufs["grad"].size, rng, specials=False) * scale
+        if special is not None:
+            g32[table.segs[5, 2]] = special
+        grad = encode(g32, tag)
+        weights = rng.choice([1.0, 0.5, 1 / 3, 0.0], table.nseg)
+        d = _on_device(cp, grad, 1)
+        args = (cp.asarray(table.segs), cp.asarray(table.tiles), cp.asarray(weights))
+        got = []
+        for _ in range(2):  # deterministic
+            out = (cp.zeros(1, np.float64), cp.zeros(1, np.int32))
+            kt.grad_stats_table(d, *args, out)
+            got.append((float(out[0].get()[0]), bool(out[1].get()[0])))
+        assert got[0] == got[1] == kt.grad_stats_table_reference(grad, table, weights), (tag, tile)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gpu_fused_adamw_matches_sharded_and_reference(stage):
+    """FusedShardAdamW on CUDA ShardStates (CuPy executor, a side stream) vs the numpy
+    executor on host copies (bitwise) and ShardedAdamW on CUDA (torch's CUDA ops)."""
+    _cupy()
+    import torch
+    from zerompi.optim import ShardedAdamW
+    from zerompi.optim.fused_adamw import CupyExecutor, FusedShardAdamW, NumpyExecutor
+    from shard_states import DTYPES, NUMELS, make_state, param_groups, set_grads
+
+    for dtypes in DTYPES:
+        (gpu, segs), (ref, _), (host, _) = (make_state(stage, *dtypes, device=d)
+                                            for d in ("cuda", "cuda", "cpu"))
+        fused = FusedShardAdamW(segs, gpu, param_groups(), len(NUMELS), tile=32)
+        assert isinstance(fused.executor, CupyExecutor)
+        sharded = ShardedAdamW(segs, ref.views, param_groups(), len(NUMELS))
+        numpy_ = FusedShardAdamW(segs, host, param_groups(), len(NUMELS), NumpyExecutor(), tile=32)
+        side = torch.cuda.Stream()
+        for k, (coef, used) in enumerate([(1.0, None), (0.37, [True, False] + [True] * 5)]):
+            set_grads([gpu, ref, host], seed=20 + k)
+            w = [1.0 if s.param % 2 else 0.5 for s in segs]
+            torch.cuda.synchronize()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda.set_sync_debug_mode("error")  # a torch-side sync raises
+                try:
+                    norm = fused.grad_sq_norm(w)
+                    fused.step(coef, used)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            side.synchronize()
+            assert norm.is_cuda and norm.dtype == torch.float64 and norm.dim() == 0
+            assert float(norm) == float(numpy_.grad_sq_norm(w))
+            assert float(norm) == pytest.approx(sharded.grad_sq_norm(w), rel=1e-12)
+            sharded.step(coef, used)
+            numpy_.step(coef, used)
+        for name, t in host.buffers().items():
+            g, r = gpu.buffers()[name].cpu(), ref.buffers()[name].cpu()
+            as_np = ((lambda x: x.view(torch.int16).numpy().view(np.uint16))  # bf16 bits
+                     if t.dtype == torch.bfloat16 else (lambda x: x.numpy()))
+            assert_same(as_np(g), as_np(t), f"stage {stage} {dtypes} {name}")
+            if t.dtype == torch.float32:  # torch's CUDA ops: close, not promised bitwise
+                assert torch.allclose(g, r, rtol=2 ** -20, atol=1e-8), (stage, dtypes, name)

@@ -64,9 +64,15 @@ def adamw_reference(master, exp_avg, exp_avg_sq, grad, out_dtype=None, *, lr, be
     torch's CPU sqrt (MKL) can be 1 ulp off, so tests substitute it to compare
     with torch bit for bit.
     """
-    tag = _OUT_TAGS[out_dtype]
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, step=step, grad_coef=grad_coef)
+    return adamw_apply(master, exp_avg, exp_avg_sq, grad, s, out_dtype, fma=fma, sqrt=sqrt)
+
+
+def adamw_apply(master, exp_avg, exp_avg_sq, grad, s, out_dtype=None, *, fma=True,
+                sqrt=np.sqrt):
+    """adamw_reference with its fp32 scalars ``s`` (adamw_scalars) already made."""
+    tag = _OUT_TAGS[out_dtype]
     one = np.float32(1)
     with np.errstate(all="ignore"):
         g = to_float32(grad) * s["grad_coef"]
