@@ -119,3 +119,13 @@ def test_offloaded_optimizer_is_bitwise_the_same_run(precision, tmp_path):
         a, b = plain[f"stage{stage}"], off[f"stage{stage}"]
         assert b["offloaded"] > 0 and a["offloaded"] == 0, (a["offloaded"], b["offloaded"])
         assert (a["losses"], a["norms"], a["max_diff"]) == (b["losses"], b["norms"], b["max_diff"]), stage
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fused_optimizer_parity(n, tmp_path):
+    """optimizer.implementation = fused: the GPU's table-driven AdamW and overflow + norm
+    (their numpy references on the CPU: same offsets, rows, skips and summation order as
+    the kernels) inside the engine, every stage, against single-process AdamW."""
+    r = run_worker(n, "parity", ["--model", "odd", "--clip", "0.05", "--impl", "fused"], tmp_path)
+    _check_fp32(r)
+    assert {r[f"stage{s}"]["optimizer"] for s in range(4)} == {"FusedShardAdamW"}

@@ -28,6 +28,12 @@ def test_tp2_matches_adamw_every_stage(n, act, tmp_path):
     _check(r)
 
 
+def test_tp2_dp2_fused_optimizer(tmp_path):
+    """The fused optimizer's weighted norm (tp replicas weighted 1/tp in the table)."""
+    r = run_worker(4, "tp_parity", ["--tp", "2", "--stages", "1,3", "--impl", "fused"], tmp_path, timeout=400)
+    _check(r, stages=(1, 3))
+
+
 def test_tp4_matches_adamw(tmp_path):
     """Four heads over four ranks: one head per rank; stages 1 and 3."""
     r = run_worker(4, "tp_parity", ["--tp", "4", "--stages", "1,3"], tmp_path, timeout=400)

@@ -43,8 +43,16 @@ class OptimizerConfig:
     """Added to the denominator for numerical stability."""
     weight_decay: float = 0.01
     """Decoupled weight decay (multiplies the parameter by 1 - lr * weight_decay)."""
+    implementation: str = "auto"
+    """auto | torch | fused. torch: torch ops per segment (on the CPU bitwise
+    torch.optim.AdamW). fused: the table-driven CUDA kernels (cuda_src/adamw_table.cu),
+    one launch per step for the whole shard; on the CPU their numpy references (slow; the
+    GPU's arithmetic bit for bit, for checking a GPU run). auto: fused on a GPU with
+    cupy, torch otherwise. Not used with offload_optimizer = cpu (the host updates)."""
 
     def __post_init__(self) -> None:
+        if self.implementation not in ("auto", "torch", "fused"):
+            _fail("implementation", self.implementation, "must be auto, torch or fused")
         if not self.lr >= 0:
             _fail("lr", self.lr, "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -37,6 +37,7 @@ ap.add_argument("--device", default="cpu", help="cpu | cuda (every rank on cuda:
                 "there are as many GPUs as ranks)")
 ap.add_argument("--backend", default="auto", help="comm.backend")
 ap.add_argument("--offload", default="none", help="offload_optimizer")
+ap.add_argument("--impl", default="auto", help="optimizer.implementation")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
@@ -65,7 +66,7 @@ for stage, init in runs:
            "gradient_clipping": a.clip, "bucket_size": a.bucket,
            "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
                       "unit_min_elements": a.unit_min, "coalesce_elements": a.coalesce},
-           "optimizer": {"lr": a.lr, "weight_decay": 0.01}, "comm": {"backend": a.backend},
+           "optimizer": {"lr": a.lr, "weight_decay": 0.01, "implementation": a.impl}, "comm": {"backend": a.backend},
            "offload_optimizer": a.offload}
     if init:
         with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well

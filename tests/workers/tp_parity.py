@@ -33,6 +33,7 @@ ap.add_argument("--rows", type=int, default=24)
 ap.add_argument("--seq", type=int, default=16)
 ap.add_argument("--vocab", type=int, default=300, help="not a multiple of 128 x tp: padding is exercised")
 ap.add_argument("--act", default="none", help="activation checkpointing: none | plain | partition | offload")
+ap.add_argument("--impl", default="auto", help="optimizer.implementation")
 ap.add_argument("--save", default=None)
 ap.add_argument("--load", default=None)
 a = ap.parse_args()
@@ -64,7 +65,7 @@ ACT = {"none": None, "plain": {"enabled": True},
 for stage in [int(s) for s in a.stages.split(",")]:
     cfg = {"stage": stage, "precision": a.precision, "gradient_accumulation_steps": a.gas,
            "gradient_clipping": CLIP, "bucket_size": 300, "tensor_parallel_size": a.tp,
-           "optimizer": {"lr": LR, "weight_decay": 0.01}}
+           "optimizer": {"lr": LR, "weight_decay": 0.01, "implementation": a.impl}}
     if ACT[a.act] is not None:
         cfg["activation_checkpointing"] = ACT[a.act]
     dims = ParallelDims.create(tp_size=a.tp)

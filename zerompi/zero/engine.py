@@ -105,6 +105,22 @@ def _check_dims_device(dims, placement: Placement) -> None:
                          "device=...) or let initialize() build it (dims=None)")
 
 
+def _optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str):
+    """zero.optimizer.implementation: the table-driven fused kernels (one launch per
+    step for the shard; on the host their numpy references) or torch ops per segment."""
+    if impl == "auto" and state.placement.is_cuda and not state.offload:
+        try:
+            import cupy  # noqa: F401
+            impl = "fused"
+        except ImportError:
+            pass
+    if impl == "fused" and not state.offload:
+        from ..optim.fused_adamw import FusedShardAdamW
+
+        return FusedShardAdamW(segments, state, groups, n)
+    return ShardedAdamW(segments, state.views, groups, n)
+
+
 class ZeroEngine:
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
@@ -152,8 +168,8 @@ class ZeroEngine:
         ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
-        self.optimizer = ShardedAdamW(build_segments(layout, own, group_of), self.state.views,
-                                      groups, len(self.params))
+        self.optimizer = _optimizer(build_segments(layout, own, group_of), self.state, groups,
+                                    len(self.params), cfg.optimizer.implementation)
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
