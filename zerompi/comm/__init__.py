@@ -1,6 +1,6 @@
 """Communicators: the collectives ZeRO needs, behind one protocol (base.Communicator).
 
-What each backend does (GPU paths are written but have NOT run on a GPU yet: issue 11):
+What each backend does (GPU paths are built but have NOT run on a GPU yet: issue 11):
 - mpi (MPICommunicator, mpi.py): CPU tensors, passed to MPI zero-copy from their raw
   addresses; non-blocking collectives (Ialltoall, Iallgather, Iallreduce,
   Ireduce_scatter_block) return a Handle whose wait() takes a deadline. The default

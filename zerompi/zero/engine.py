@@ -295,8 +295,11 @@ class ZeroEngine:
         """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
         and which parameters got a gradient on any rank: one small all-reduce (over
         dp x tp: a tp rank's split parameters are distinct, replicas count once)."""
-        # sync (GPU): the step's one host wait, for the overflow/clip decision below
-        local = float(self.optimizer.grad_sq_norm(self.tp_grads.weights))
+        # sync (GPU): the step's one host wait, for the overflow/clip decision below; under
+        # the watchdog, since an NCCL collective stuck on a dead peer would block it for good
+        norm_sq = self.optimizer.grad_sq_norm(self.tp_grads.weights)
+        with watchdog.waiting("device sync (gradient norm)"):
+            local = float(norm_sq)
         if self.parts.owns_all:
             local /= self.world  # every rank holds the whole reduced gradient
         # sync: one float64 all-reduce; every rank decides overflow/clipping identically
