@@ -91,6 +91,20 @@ def adamw_apply(master, exp_avg, exp_avg_sq, grad, s, out_dtype=None, *, fma=Tru
     return None if tag is None else from_float32(p, tag)
 
 
+def check_adamw_arrays(master, exp_avg, exp_avg_sq, grad, out, out_name: str = "out"):
+    """dtype checks shared by the AdamW launchers: (grad tag, out tag, [(name, array)])."""
+    named = [("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    for name, a in named:
+        _loader.check_array(name, a, ("f32",))
+    gt = _loader.check_array("grad", grad, ("f32", "bf16", "f16"))
+    named.append(("grad", grad))
+    ot = "none"
+    if out is not None:
+        ot = _loader.check_array(out_name, out, ("bf16", "f16"))
+        named.append((out_name, out))
+    return gt, ot, named
+
+
 def adamw_step(master, exp_avg, exp_avg_sq, grad, out_param=None, *, lr, beta1, beta2,
                eps, weight_decay, step, grad_coef=1.0) -> None:
     """One fused AdamW step on cupy arrays, in place; launches on the current stream.
@@ -99,15 +113,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out_param=None, *, lr, beta1, 
     (bf16 bits). out_param: None, float16 or uint16/int16 (bf16 bits); receives
     the new master rounded to nearest even.
     """
-    named = [("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    for name, a in named:
-        _loader.check_array(name, a, ("f32",))
-    gt = _loader.check_array("grad", grad, ("f32", "bf16", "f16"))
-    named.append(("grad", grad))
-    ot = "none"
-    if out_param is not None:
-        ot = _loader.check_array("out_param", out_param, ("bf16", "f16"))
-        named.append(("out_param", out_param))
+    gt, ot, named = check_adamw_arrays(master, exp_avg, exp_avg_sq, grad, out_param, "out_param")
     dev, n = _loader.check_same_device_and_size(named)
     _loader.check_no_overlap(named)
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _loader
-from .adamw import adamw_apply
+from .adamw import adamw_apply, check_adamw_arrays
 from .cast import to_float32
 from .grad_stats import THREADS as STATS_THREADS
 from .grad_stats import _strided_sums, _tree
@@ -157,15 +157,7 @@ def adamw_table_step(master, exp_avg, exp_avg_sq, grad, out, segs, tiles, rows) 
     grad float32/float16/bf16 bits; out None/float16/bf16 bits) on the current stream.
     segs/tiles: a Table's arrays on the device; rows: float32 (nseg, 9) on the device.
     The offsets are not checked here: check_bounds before uploading a table."""
-    named = [("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    for name, a in named:
-        _loader.check_array(name, a, ("f32",))
-    gt = _loader.check_array("grad", grad, ("f32", "bf16", "f16"))
-    named.append(("grad", grad))
-    ot = "none"
-    if out is not None:
-        ot = _loader.check_array("out", out, ("bf16", "f16"))
-        named.append(("out", out))
+    gt, ot, named = check_adamw_arrays(master, exp_avg, exp_avg_sq, grad, out)
     dev = master.device.id
     for name, a in named:
         if a.device.id != dev:
