@@ -42,13 +42,20 @@ def unit_roots(names: list[str]) -> list[list[str]]:
 
 
 def ancestors(names: list[str], persistent: list[bool]) -> list[set[int]]:
-    """For every unit, the non-persistent units whose root encloses one of its roots."""
+    """For every unit, the non-persistent units whose root encloses one of its roots
+    (walking up each root's dotted name: linear in the units, not quadratic)."""
     roots = unit_roots(names)
+    owner = {r: v for v, rs in enumerate(roots) if not persistent[v] for r in rs}
     out: list[set[int]] = []
     for u, rs in enumerate(roots):
-        out.append(set() if persistent[u] else {
-            v for v, vs in enumerate(roots) if v != u and not persistent[v]
-            and any(m not in vs and (n == "" or m.startswith(n + ".")) for n in vs for m in rs)})
+        up: set[int] = set()
+        for m in ([] if persistent[u] else rs):
+            parts = m.split(".") if m else []
+            for k in range(len(parts)):  # proper prefixes: "", "a", "a.b" of "a.b.c"
+                v = owner.get(".".join(parts[:k]))
+                if v is not None and v != u:
+                    up.add(v)
+        out.append(up)
     return out
 
 
