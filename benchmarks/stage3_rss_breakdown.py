@@ -12,11 +12,14 @@ variables reach the ranks (they are removed from the environment).
 Per rank and step it records the kernel's peak RSS (VmHWM, reset through
 /proc/self/clear_refs before the first step) and samples glibc's mallinfo2() and the
 current RSS at every block's forward entry/exit, every parameter's gradient and the phase
-ends. At the sample with the highest RSS it splits the RSS into: mmapped blocks (model
-states, buffers, pool), the heap's bytes in use (Python, torch, activations, transient
-gradients), the heap's free bytes (holes the allocator keeps resident), and the rest
-(not from malloc: code, Python's own arenas, MPI shared memory). Also per block: the
-heap bytes its forward keeps for backward (activations).
+ends. The steps' peak RSS is then split as
+    live malloc bytes at their peak (heap in use + mmapped blocks: model states, buffers,
+      pool, activations, gradients, Python and torch objects)
+  + what was resident outside malloc at start-up (code, Python's own arenas, MPI)
+  + the rest: resident memory malloc holds but has not handed out (heap holes, freed
+    blocks kept), plus growth outside malloc (MPI shared memory, thread stacks).
+Also (pool side, where gathers do not touch the heap): the heap bytes each block's
+forward keeps for backward (its activations).
 
 Rank 0 also checks the idea of giving gathered parameters a .grad before backward
 (autograd would accumulate into it): torch's profiler shows whether the backward still
@@ -140,8 +143,7 @@ def worker(args) -> None:
         acts = [b["heap_used"] - a["heap_used"] for a, b in zip(trace, trace[1:])
                 if a["tag"].endswith("<") and b["tag"] == a["tag"][:-1] + ">"]
         steps.append({"step": s, "loss": float(loss.detach()), "vm_hwm": _vm_hwm(),
-                      "sampled_peak": {**peak, "not_malloc": peak["rss"] - peak["heap"] - peak["mmapped"]},
-                      "live_peak": {"tag": live["tag"], "bytes": live["heap_used"] + live["mmapped"]},
+                      "sampled_peak": peak, "live_peak": {**live, "bytes": live["heap_used"] + live["mmapped"]},
                       "activation_bytes_per_block_median": sorted(acts)[len(acts) // 2] if acts else None,
                       "at_step_start": trace[0], "at_forward_done": next(d for d in trace if d["tag"] == "forward done")})
     rep = eng.memory_report()
@@ -154,18 +156,28 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(doc))
 
 
+def _split(r: dict) -> dict:
+    """One rank's steps peak RSS as live malloc bytes + start-up non-malloc + the rest (MiB)."""
+    st = r["marks"]["start"]
+    outside = st["rss"] - st["heap_used"] - st["mmapped"]  # the heap is compact at start-up
+    live = max((s["live_peak"] for s in r["steps"]), key=lambda d: d["bytes"])
+    out = {"peak_rss_steps": r["peak_rss_steps"], "live_malloc_peak": live["bytes"],
+           "of_which_mmapped": live["mmapped"], "of_which_heap_in_use": live["heap_used"],
+           "outside_malloc_at_start": outside,
+           "allocator_kept_and_other_growth": r["peak_rss_steps"] - live["bytes"] - outside}
+    return {**{k: round(v / MiB, 1) for k, v in out.items()}, "live_peak_at": live["tag"]}
+
+
 def summarize(side: dict) -> dict:
     ranks = side["ranks"]
-    last = [r["steps"][-1] for r in ranks]
     worst = max(ranks, key=lambda r: r["peak_rss_steps"])
-    pk = worst["steps"][-1]["sampled_peak"]
+    acts = ranks[0]["steps"][-1]["activation_bytes_per_block_median"]
     return {"peak_rss_steps_per_rank_MiB": [round(r["peak_rss_steps"] / MiB, 1) for r in ranks],
             "peak_rss_steps_max_rank_GiB": round(worst["peak_rss_steps"] / (1 << 30), 3),
-            "last_step_sampled_peak_of_that_rank_MiB": {
-                k: round(pk[k] / MiB, 1) for k in ("rss", "mmapped", "heap_used", "heap_free", "not_malloc")},
-            "last_step_sampled_peak_at": pk["tag"],
-            "live_malloc_peak_MiB_per_rank": [round(s["live_peak"]["bytes"] / MiB, 1) for s in last],
-            "activation_MiB_per_block": round(last[0]["activation_bytes_per_block_median"] / MiB, 2),
+            "split_of_the_highest_rank_MiB": _split(worst),
+            "allocator_kept_and_other_growth_per_rank_MiB": [
+                _split(r)["allocator_kept_and_other_growth"] for r in ranks],
+            "activation_MiB_per_block": round(acts / MiB, 2) if side["side"] == "pool" else None,
             "memory_report_MiB": {k: round(v / MiB, 1) for k, v in ranks[0]["memory_report"].items()
                                   if k not in ("numel", "padded_numel", "gather_fallbacks")},
             "gather_fallbacks": ranks[0]["memory_report"].get("gather_fallbacks"),
