@@ -66,6 +66,9 @@ def test_lend_and_give_back_swap_memory_into_the_units_own_storage():
     pool.give_back(big, s8)
     pool.give_back(t, slot2)
     assert pool.fallback_bytes == 0 and [s.numel for s in pool.free] == [4, 8]
+    empty, none = pool.buffer(0)          # a unit of empty parameters takes no slot
+    assert none is None and empty.numel() == 0 and len(pool.free) == 2
+    pool.give_back(empty, none)
 
 
 def test_reference_gpt_reuses_the_pool(tmp_path):

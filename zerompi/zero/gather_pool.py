@@ -105,17 +105,19 @@ class GatherPool:
     def _new(self, numel: int, fresh: bool) -> _Slot:
         return _Slot(self.placement.empty(numel, self.dtype).untyped_storage(), numel, fresh)
 
-    def buffer(self, numel: int) -> tuple[torch.Tensor, _Slot]:
+    def buffer(self, numel: int) -> tuple[torch.Tensor, _Slot | None]:
         """A new flat tensor of `numel` elements on a storage of its own, holding a lent
         slot (so creating a unit's buffer allocates nothing either)."""
         t = torch.empty(0, dtype=self.dtype, device=self.placement.device)
         slot = self.lend(t, numel)
         return t.set_(t.untyped_storage(), 0, (numel,)), slot
 
-    def lend(self, t: torch.Tensor, numel: int | None = None) -> _Slot:
+    def lend(self, t: torch.Tensor, numel: int | None = None) -> _Slot | None:
         """Give `t`'s empty storage the memory of a slot of at least `numel` elements
-        (default t.numel()); returns the slot, for give_back."""
+        (default t.numel()); returns the slot, for give_back (None: nothing to lend)."""
         n = t.numel() if numel is None else numel
+        if n == 0:  # a unit of empty parameters must not hold a real slot
+            return None
         i = bisect.bisect_left([s.numel for s in self.free], n)
         if i < len(self.free):
             slot = self.free.pop(i)
@@ -126,8 +128,10 @@ class GatherPool:
         t.untyped_storage()._swap_data_ptr_(slot.storage)
         return slot
 
-    def give_back(self, t: torch.Tensor, slot: _Slot) -> None:
+    def give_back(self, t: torch.Tensor, slot: _Slot | None) -> None:
         """`t`'s storage returns to 0 bytes; the slot is free again (a fresh one is freed)."""
+        if slot is None:
+            return
         t.untyped_storage()._swap_data_ptr_(slot.storage)
         if slot.fresh:
             self.fallback_bytes -= slot.storage.nbytes()
