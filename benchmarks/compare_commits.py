@@ -213,7 +213,7 @@ def driver(args) -> None:
         "benchmark": "compare_commits: zerompi BEFORE vs AFTER, step time and peak RSS per rank, "
                      "data parallel on CPU, fp32",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "software": software,
+        "machine_label": args.machine_label, "machine": machine_info(), "software": software,
         "mem_available_bytes_at_start": mem_info().get("MemAvailable"),
         "loadavg_at_start": os.getloadavg(),
         "sides": {s: side_info(roots[s], wdir[s]) for s in ("before", "after")},
@@ -346,6 +346,8 @@ def main(argv=None) -> None:
                     help="before each run wait until the 1-min load average is below this (0: off)")
     ap.add_argument("--wait-quiet-max", type=float, default=300.0, help="longest such wait, s")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per mpiexec")
+    ap.add_argument("--machine-label", default=None,
+                    help='how the results name the machine, e.g. "vm, 2-core AMD EPYC, 24 GiB, ..."')
     ap.add_argument("--work-dir", default=None, help="per-run JSON and logs (default: a temp dir)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: tiny model, N=2, stages 1-3, 1+2 steps, 2 repeats, "

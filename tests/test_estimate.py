@@ -184,8 +184,8 @@ def test_units():
 
 # ---------------------------------------------------------------------- the real engine at N = 1
 def test_dry_run_equals_the_engine_at_n1():
-    """memory_report() (every term, the padded T, the bucket buffers) and comm_stats()
-    (calls, elements and bytes per op over a GAS-2 step) of the real engine, single
+    """memory_report() (every term, the padded T, the bucket buffers, stage 3's gather
+    pool) and comm_stats() (calls, elements and bytes per op over a GAS-2 step) of the real engine, single
     process, stages 0-3, fp32/bf16/fp32-gradients, against the dry run of the same GPT;
     plus stages 2-3 with the layout "auto" makes at large N forced (blocks of at least the
     bucket, stage-3 units coalesced): the same blocks and units in both."""
@@ -206,6 +206,7 @@ def test_dry_run_equals_the_engine_at_n1():
             assert c["engine"][k] == c["estimate"][k], (tag, k)
         assert c["engine_padded"] == c["estimate_padded"], tag
         assert c["engine_buffers"] == c["estimate_buffers"], tag
+        assert c["engine_gather_pool"] == c["estimate_gathered"], tag  # stage 3's pool; else 0
         assert c["engine_comm"] == c["estimate_comm"], tag
 
 

@@ -8,7 +8,7 @@ import torch
 import zerompi
 import zerompi.estimate.dryrun
 import zerompi.zero.engine
-from zerompi.estimate.activations import comm_buffer_bytes
+from zerompi.estimate.activations import comm_buffer_bytes, working_bytes
 from zerompi.estimate.dryrun import DryRun, collectives, rank_state
 from zerompi.estimate.models import from_preset
 from zerompi.models.gpt import GPT
@@ -54,6 +54,8 @@ for stage, precision, gdt, forced in CASES:
                 "engine_buffers": rep["buffers"],
                 "estimate_buffers": comm_buffer_bytes(built.layout, cfg.bucket_count,
                                                       4 if cfg.reduce_dtype == "fp32" else 2),
+                "engine_gather_pool": rep.get("gather_pool", 0),
+                "estimate_gathered": working_bytes(built, stage, cfg, 4 if precision == "fp32" else 2)["gathered"],
                 "engine_padded": rep["padded_numel"], "estimate_padded": built.layout.total,
                 "engine_comm": comm, "estimate_comm": est_comm, "forced": forced,
                 "engine_units": [u.name for u in getattr(eng.param_store, "units", [])],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+from ..zero import gather_pool
 from .models import ModelSpec
 
 STRATEGIES = ("none", "checkpoint", "checkpoint+Pa", "checkpoint+Pa+offload")
@@ -64,8 +65,9 @@ def comm_buffer_bytes(layout, bucket_count: int, reduce_bytes: int) -> int:
 
 def working_bytes(built, stage: int, zcfg, param_bytes: int) -> dict[str, int]:
     """Transient model-state memory besides the partitioned buffers (an estimate):
-    - stage 3 'gathered': the unit in use plus `prefetch_modules` prefetched ones (the
-      largest units, within max_live_parameters), and every unit enclosing others (the
+    - stage 3 'gathered': the gather pool (zero/gather_pool.py, exact: equals
+      memory_report()["gather_pool"]): slots for the unit in use, `prefetch_modules`
+      prefetched ones (within max_live_parameters), and every unit enclosing them (the
       model's own unit: embeddings, head), held while what it encloses runs;
       'persistent': the always-gathered small parameters.
     - 'transient_grads': autograd's .grad before its block is reduced (stages 2-3: the
@@ -74,16 +76,12 @@ def working_bytes(built, stage: int, zcfg, param_bytes: int) -> dict[str, int]:
     out = {"gathered": 0, "persistent": 0, "transient_grads": 0}
     if stage == 3:
         sizes = [(e - s) for s, e in layout.unit_spans]
-        persistent = {u for u, p in enumerate(built.plan.unit_persistent) if p}
-        tied = set(built.enclosing) - persistent
-        held = sum(sizes[u] for u in tied)
-        others = sorted((sizes[u] for u in range(len(sizes)) if u not in persistent | tied), reverse=True)
-        live = others[0] if others else 0
-        for sz in others[1:1 + zcfg.stage3.prefetch_modules]:
-            if held + live + sz <= zcfg.stage3.max_live_parameters:
-                live += sz
-        out["gathered"] = (held + live) * param_bytes
-        out["persistent"] = sum(sizes[u] for u in persistent) * param_bytes
+        flags = built.plan.unit_persistent
+        s3 = zcfg.stage3
+        slots = gather_pool.capacities(built.plan.unit_names, flags, sizes, s3.prefetch_modules,
+                                       s3.max_live_parameters)
+        out["gathered"] = sum(slots) * param_bytes
+        out["persistent"] = sum(sz for sz, p in zip(sizes, flags) if p) * param_bytes
     if stage >= 2:
         out["transient_grads"] = (max(built.numels) + zcfg.bucket_count * layout.block) * param_bytes
     return out

@@ -43,7 +43,6 @@ class Built:
     plan: Plan
     numels: list[int]
     seconds: float                                 # plan + FlatLayout constructor
-    enclosing: list[int] = field(default_factory=list)    # stage-3 units enclosing others
     balance: dict | None = None                    # balance(): computed once per layout
     _chunks: dict = field(default_factory=dict)
 
@@ -93,19 +92,8 @@ class DryRun:
             layout = FlatLayout(numels, n, bucket, self.zcfg.alignment, units=plan.unit_sizes,
                                 at_least=at_least)
             built = Built(n, layout, plan, numels, time.perf_counter() - t)
-            if plan.unit_sizes is not None:
-                built.enclosing = _enclosing(plan)
             self._cache[key] = built
         return self._cache[key]
-
-
-def _enclosing(plan: Plan) -> list[int]:
-    """Stage-3 units that enclose another unit (the model's own unit, a layer around
-    its experts): gathered for the whole forward / backward of what they enclose."""
-    roots = [[r if r != "<root>" else "" for r in n.split("+")] for n in plan.unit_names]  # coalesced: a+b
-    inner = [m for rs, p in zip(roots, plan.unit_persistent) if not p for m in rs]
-    return [u for u, rs in enumerate(roots) if not plan.unit_persistent[u]
-            and any(m not in rs and (n == "" or m.startswith(n + ".")) for n in rs for m in inner)]
 
 
 # ------------------------------------------------------------------ per-rank memory

@@ -5,9 +5,10 @@
   parameters (<= stage3.persistence_threshold) form one persistent unit that stays
   gathered and is refreshed after each update.
 - Gather/release. Every unit owns a flat buffer of its full size; the parameters are
-  permanent views of it. Releasing resizes the buffer's *storage* to zero bytes and
-  gathering resizes it back and fills it, so tensors autograd saved for backward
-  (often views such as weight.t()) neither pin freed memory nor go stale.
+  permanent views of it. Gathering lends the buffer's *storage* the memory of a slot of
+  a fixed pool (gather_pool.py) and fills it; releasing returns the slot and leaves the
+  storage at zero bytes, so tensors autograd saved for backward (often views such as
+  weight.t()) neither pin memory nor go stale, and no step allocates gather buffers.
     root forward pre-hook  -> gather the unit (a prefetched one just waits)
     root forward post-hook -> release it (a coalesced unit of several sibling roots: after
                               its last root); hook the outputs so that backward gathers again
@@ -27,7 +28,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from . import flat, units as units_mod
+from . import flat, gather_pool, units as units_mod
 from .init_context import adopt
 from .rounds import Rounds
 from .params import Plan, keep_changes
@@ -40,6 +41,7 @@ class _Unit:
         self.lo, self.hi = span
         self.persistent = persistent
         self.full: torch.Tensor | None = None
+        self.slot = None     # the pool slot lent to `full` while gathered
         self.state = "free"  # free | inflight | ready
         self.handles: list = []
         self.pending = 0     # parameters whose gradient has not accumulated yet
@@ -74,12 +76,22 @@ class PartitionedParams:
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
+        self.pool = None  # torch without storage swaps: units resize their own storage
+        if gather_pool.available():
+            sizes = [hi - lo for lo, hi in layout.unit_spans]
+            self.pool = gather_pool.GatherPool(pl, dtype, gather_pool.capacities(
+                plan.unit_names, plan.unit_persistent, sizes, self.cfg.prefetch_modules,
+                self.cfg.max_live_parameters))
         for u, (blocks, span, pidx) in enumerate(zip(layout.unit_blocks, layout.unit_spans, layout.unit_params)):
             unit = _Unit(u, plan.unit_names[u], plan.unit_roots[u], list(pidx), blocks, span,
                          plan.unit_persistent[u])
             # Identical start everywhere, one unit at a time: values come from the
             # partitioned construction (zerompi.Init) or from rank 0's full tensors.
-            full32 = pl.zeros(unit.size, torch.float32)
+            pooled = self.pool is not None and not unit.persistent
+            if pooled:  # the unit's storage, on a lent slot: set-up allocates no unit buffers
+                unit.full, unit.slot = self.pool.buffer(unit.size)
+            full32 = (unit.full if pooled and dtype == torch.float32
+                      else pl.empty(unit.size, torch.float32)).zero_()
             from_rank0 = False
             for i in unit.params:
                 p = params[i]
@@ -97,7 +109,10 @@ class PartitionedParams:
             if from_rank0:
                 comm.broadcast(full32, root=0)
             state.set_full(full32, blocks=blocks, base=unit.lo)
-            unit.full = full32 if dtype == torch.float32 else pl.empty(unit.size, dtype).copy_(full32)
+            if pooled and dtype != torch.float32:
+                unit.full.copy_(full32)
+            elif not pooled:
+                unit.full = full32 if dtype == torch.float32 else pl.empty(unit.size, dtype).copy_(full32)
             del full32
             for i in unit.params:
                 o, n = layout.offsets[i] - unit.lo, layout.numels[i]
@@ -105,6 +120,9 @@ class PartitionedParams:
                 self.unit_of[id(params[i])] = unit
             if unit.persistent:
                 unit.state = "ready"
+            elif pooled:
+                self.pool.give_back(unit.full, unit.slot)
+                unit.slot = None
             else:
                 _free(unit.full)
             self.units.append(unit)
@@ -200,10 +218,12 @@ class PartitionedParams:
             return
         if u.state == "inflight":
             self._wait(u)  # never two outstanding receives into one buffer
-        if u.state == "free":
-            _alloc(u.full)
-            if not u.persistent:
-                self._live += u.size
+        if u.state == "free" and not u.persistent:  # persistent: refreshed in its own buffer
+            if self.pool is not None:
+                u.slot = self.pool.lend(u.full)
+            else:
+                _alloc(u.full)
+            self._live += u.size
         shard = self.state.shard_param
         u.handles = [self.gcomm.all_gather(shard[sp.shard], u.full[sp.block], async_op=True)
                      for sp in self.layout.spans(self.state.own, u.blocks, u.lo)]
@@ -220,7 +240,11 @@ class PartitionedParams:
         if u.persistent or u.state == "free":
             return
         self._wait(u)
-        _free(u.full)
+        if self.pool is not None:
+            self.pool.give_back(u.full, u.slot)
+            u.slot = None
+        else:
+            _free(u.full)
         u.state = "free"
         self._live -= u.size
 
@@ -314,8 +338,15 @@ class PartitionedParams:
                 for i in u.params if self.params[i].untyped_storage().nbytes() > 0]
 
     def memory_extra(self) -> dict[str, int]:
+        """persistent: the always-gathered unit; gathered: units gathered now (pool slots
+        lent, a slot may be larger than its unit, plus fallbacks); gather_pool: the pool's
+        fixed slots, lent or not; gather_fallbacks: how many times a gather found no free
+        slot and allocated a fresh buffer (a count, not bytes)."""
+        pool = self.pool
         return {"persistent": sum(flat.nbytes(u.full) for u in self.units if u.persistent),
-                "gathered": sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent)}
+                "gathered": sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent),
+                "gather_pool": pool.nbytes if pool is not None else 0,
+                "gather_fallbacks": pool.fallbacks if pool is not None else 0}
 
 
 def _tensors(obj):
