@@ -39,6 +39,16 @@ def test_bad_input_gives_clear_error_without_hanging(mode, needle):
     assert r.elapsed < 10, r.elapsed
 
 
+def test_crash_in_torch_names_the_python_line_and_ends_the_job():
+    """An elementwise read of a released stage-3 parameter crashes inside torch (signal
+    11, no Python exception); zerompi enables faulthandler, so the failing rank's Python
+    stack names the line, and the launcher ends the other ranks."""
+    r = _run(3, "released-read-s3")
+    assert "Fatal Python error: Segmentation fault" in r.stdout, r.stdout[-3000:]
+    assert "fail.py" in r.stdout, r.stdout[-3000:]
+    assert r.elapsed < 20, r.elapsed
+
+
 def test_unavailable_nccl_backend_is_a_clear_config_error():
     import zerompi.comm
 

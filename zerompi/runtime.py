@@ -7,6 +7,8 @@ end the whole job within a second, also when the user did not use `python -m mpi
 """
 from __future__ import annotations
 
+import faulthandler
+
 import os
 import random
 import sys
@@ -141,6 +143,10 @@ def install_abort_hook() -> None:
 
 def init() -> Any:
     """Initialise MPI (idempotent), install the abort hook, return COMM_WORLD."""
+    if not faulthandler.is_enabled():
+        # a crash inside torch (e.g. an elementwise read of a released stage-3 parameter,
+        # whose storage is empty) prints this rank's Python stack instead of a bare signal
+        faulthandler.enable()
     install_abort_hook()
     fix_mmap_threshold()
     return mpi().COMM_WORLD
