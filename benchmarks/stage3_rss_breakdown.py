@@ -111,6 +111,8 @@ def worker(args) -> None:
         gather_pool.available = lambda: False
     cfg = {"stage": 3, "precision": "fp32",
            "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    if args.activation_checkpointing:  # ZeRO-R: block checkpoints in the contiguous arena
+        cfg["activation_checkpointing"] = {"enabled": True, "contiguous": True}
     marks = {"start": sample("start")}
     with zerompi.Init(cfg, seed=0):  # as benchmarks/dp_systems.py builds zerompi-3
         model = GPT(GPTConfig(**SHAPE))
@@ -199,14 +201,17 @@ def driver(args) -> None:
            "parameters": {"model": "gpt-135m", "shape": SHAPE, "n": args.nranks, "stage": 3,
                           "precision": "fp32", "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                           "steps": args.steps, "repeats": args.repeats, "threads_per_rank": 1,
-                          "allocator_env_removed": list(ALLOC_VARS)},
+                          "allocator_env_removed": list(ALLOC_VARS),
+                          "activation_checkpointing": args.activation_checkpointing},
            "loadavg_at_start": list(os.getloadavg()), "runs": {}}
     for rep in range(args.repeats):
-        for side in (("pool", "no_pool") if rep % 2 == 0 else ("no_pool", "pool")):
+        sides = args.sides.split(",")
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
             tmp = Path(args.out).with_suffix(f".{side}.{rep}.tmp.json")
             cmd = ["mpiexec", "-n", str(args.nranks), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
                    "--worker", "--side", side, "--out", str(tmp), "--steps", str(args.steps),
                    "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
+            cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             if p.returncode != 0:
                 sys.exit(f"{side}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -215,7 +220,8 @@ def driver(args) -> None:
             doc["runs"].setdefault(side, []).append({"summary": summarize(run), "raw": run})
             print(f"[rss] {side} repeat {rep}: peak RSS per rank (steps) "
                   f"{doc['runs'][side][-1]['summary']['peak_rss_steps_per_rank_MiB']} MiB", flush=True)
-    doc["grad_preset_check"] = doc["runs"]["pool"][0]["raw"].pop("grad_preset_check", None)
+    first = doc["runs"][args.sides.split(",")[0]][0]["raw"]
+    doc["grad_preset_check"] = first.pop("grad_preset_check", None)
     doc["loadavg_at_end"] = list(os.getloadavg())
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"[rss] wrote {args.out}", flush=True)
@@ -230,6 +236,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--sides", default="pool,no_pool", help="pool, no_pool or both")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="zero.activation_checkpointing enabled + contiguous (ZeRO-R's arena)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--side", default="pool", choices=["pool", "no_pool"], help=argparse.SUPPRESS)
     args = ap.parse_args()
