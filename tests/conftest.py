@@ -24,3 +24,12 @@ def corpus(tmp_path_factory):
     from zerompi.data import default_corpus
 
     return str(default_corpus(tmp_path_factory.mktemp("cache"), max_bytes=300_000))
+
+
+@pytest.fixture(scope="session")
+def ckpt_base(tmp_path_factory):
+    """Checkpoints of every stage and bf16 plus their uninterrupted runs, built once for
+    test_checkpoint.py and test_checkpoint_faults.py (checkpoint_cases.base_checkpoints)."""
+    from checkpoint_cases import base_checkpoints
+
+    return base_checkpoints(tmp_path_factory.mktemp("base"))

@@ -1,5 +1,6 @@
-"""Checkpoints: exact resume, resharding across world sizes and stages, crash safety,
-damaged checkpoints, HDF5 tools, and the inspect/export command lines.
+"""Checkpoints: exact resume, resharding across world sizes and stages, HDF5 tools, and
+the inspect/export command lines (crash safety and damaged checkpoints:
+test_checkpoint_faults.py; shared jobs and readers: checkpoint_cases.py).
 
 Every multi-rank case runs `mpiexec -n N python -m mpi4py tests/workers/ckpt_*.py` with
 a timeout (tests/mpirun.py), so a rank stuck in a collective fails the test instead of
@@ -11,75 +12,19 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-from mpirun import HERE, WORKERS, mpi_env, run_mpi, run_worker
+from checkpoint_cases import KINDS, full_state, max_diff, read_dump, train_job
+from mpirun import HERE
 
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-from zerompi.checkpoint import CheckpointError, format as fmt, verify_checkpoint  # noqa: E402
-from zerompi.checkpoint.directory import resolve, rotate, write_latest  # noqa: E402
-from zerompi.checkpoint.reader import PieceReader  # noqa: E402
-
-KINDS = ("param", "exp_avg", "exp_avg_sq")
-
-
-def train_job(n, runs, tmp, name, timeout=240, **kw):
-    plan = Path(tmp) / f"{name}.json"
-    plan.write_text(json.dumps(runs))
-    return run_worker(n, "ckpt_train", ["--runs", str(plan)], Path(tmp), timeout=timeout, **kw)
-
-
-def read_dump(path):
-    with h5py.File(path, "r") as f:
-        return {k.replace("%2F", "/"): f[k][()] for k in f}
-
-
-def full_state(ckpt):
-    """Every tensor of every kind, assembled from the rank files (verified first)."""
-    m = verify_checkpoint(ckpt)
-    with PieceReader(ckpt, m) as r:
-        return m, {k: {n: r.read_full(k, n) for n in m["tensors"]} for k in KINDS}
-
-
-def max_diff(a, b):
-    """Largest absolute difference over all tensors. Both sides must be finite: a NaN
-    would compare False everywhere and Python's max() could silently drop it."""
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    for k in a:
-        assert np.isfinite(a[k]).all() and np.isfinite(b[k]).all(), k
-    return max((float(np.abs(a[k].astype(np.float64) - b[k]).max()) if a[k].size else 0.0 for k in a),
-               default=0.0)
-
-
-# ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """One N=2 job: the odd model at stages 0-3 in fp32 and the tiny GPT at stage 2 in
-    bf16 train 3 steps, save, dump full_state_dict, draw random numbers, train 3 more
-    steps and dump again (the uninterrupted run). Plus keep_last and client_state checks."""
-    d = tmp_path_factory.mktemp("base")
-    cases = {"s0": ("odd", 0, "fp32"), "s1": ("odd", 1, "fp32"), "s2": ("odd", 2, "fp32"),
-             "s3": ("odd", 3, "fp32"), "bf16": ("gpt", 2, "bf16")}
-    runs = []
-    for key, (model, stage, prec) in cases.items():
-        runs.append({"model": model, "stage": stage, "precision": prec, "plan": [
-            ["train", 3], ["save", str(d / key), None], ["dump", str(d / f"{key}-at3.h5")],
-            ["rng", "after-save"], ["train", 3], ["dump", str(d / f"{key}-full.h5")]]})
-    runs.append({"model": "odd", "stage": 1, "plan": [
-        ["train", 1], ["save_keep", str(d / "rot"), 2], ["train", 1], ["save_keep", str(d / "rot"), 2],
-        ["train", 1], ["save_keep", str(d / "rot"), 2], ["save_type_error", str(d / "bad-cs")]]})
-    res = train_job(2, runs, d, "base")
-    assert len(res["runs"]) == len(runs) and [len(r) for r in res["runs"]] == [len(r["plan"]) for r in runs]
-    return {"dir": d, "cases": cases, "runs": dict(zip(list(cases) + ["misc"], res["runs"]))}
+from zerompi.checkpoint import format as fmt  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- pure helpers
@@ -118,32 +63,32 @@ def test_names_and_tags():
 
 
 # ---------------------------------------------------------------------------- resume
-def test_resume_is_bitwise_exact(base, tmp_path):
+def test_resume_is_bitwise_exact(ckpt_base, tmp_path):
     """6 steps == 3 steps, save, load in a NEW mpiexec job, 3 steps: bitwise, at stages
     0, 1, 2, 3 in fp32 and stage 2 in bf16 (same world size and stage: same arithmetic in
     the same order, so there is nothing to tolerate). RNG states come back per rank."""
-    d = base["dir"]
+    d = ckpt_base["dir"]
     runs = [{"model": m, "stage": s, "precision": p, "plan": [
         ["load", str(d / key), None], ["rng", "after-load"], ["train", 3], ["dump", str(tmp_path / f"{key}.h5")]]}
-        for key, (m, s, p) in base["cases"].items()]
+        for key, (m, s, p) in ckpt_base["cases"].items()]
     res = train_job(2, runs, tmp_path, "resume")
-    assert len(res["runs"]) == len(base["cases"])
-    for key, out in zip(base["cases"], res["runs"]):
+    assert len(res["runs"]) == len(ckpt_base["cases"])
+    for key, out in zip(ckpt_base["cases"], res["runs"]):
         assert out[0]["client_state"] == {"data_step": 3, "note": "ckpt test"}
         assert (out[0]["global_steps"], out[0]["micro_steps"]) == (3, 6)
-        assert out[1]["draws"] == base["runs"][key][3]["draws"], key  # every rank's RNG restored
+        assert out[1]["draws"] == ckpt_base["runs"][key][3]["draws"], key  # every rank's RNG restored
         full, resumed = read_dump(d / f"{key}-full.h5"), read_dump(tmp_path / f"{key}.h5")
         assert max_diff(full, resumed) == 0.0, key
 
 
-def test_keep_last_and_client_state_errors(base):
-    misc = base["runs"]["misc"]
-    rot = base["dir"] / "rot"
+def test_keep_last_and_client_state_errors(ckpt_base):
+    misc = ckpt_base["runs"]["misc"]
+    rot = ckpt_base["dir"] / "rot"
     assert sorted(e for e in os.listdir(rot) if not e.startswith(".")) == ["latest", "step-2", "step-3"]
     assert (rot / "latest").read_text().strip() == "step-3"
     errors = misc[-1]["errors"]
     assert len(errors) == 2 and all(e and "client_state['sampler']['obj']: object" in e for e in errors), errors
-    assert not (base["dir"] / "bad-cs").exists() or not any((base["dir"] / "bad-cs").iterdir())
+    assert not (ckpt_base["dir"] / "bad-cs").exists() or not any((ckpt_base["dir"] / "bad-cs").iterdir())
 
 
 # ---------------------------------------------------------------------------- resharding
@@ -166,7 +111,7 @@ def sharded(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_reshard(n, sharded, base, tmp_path):
+def test_reshard(n, sharded, ckpt_base, tmp_path):
     """Load checkpoints saved at other world sizes / stages (at N=3 also into stages 0
     and 3, and from stage-0 and stage-3 checkpoints), then:
     (a) save again at once: every tensor of every kind and the step counters equal the
@@ -181,8 +126,8 @@ def test_reshard(n, sharded, base, tmp_path):
     combos = [(src, 3 - src[1]) for src in sources]  # always into the other stage
     if n == 3:  # also into stages 0 and 3, and from stage-0 (all in rank 0's file) and stage-3 saves
         combos += [((2, 2), 2), ((4, 1), 0), ((1, 2), 0), ((2, 0), 2), ((2, 3), 1), ((4, 2), 3)]
-    src_dir = lambda m, s: base["dir"] / "s0" if s == 0 else d / f"n{m}s{s}"  # noqa: E731
-    refs = {**sharded["refs"], (2, 0): read_dump(base["dir"] / "s0-full.h5")}
+    src_dir = lambda m, s: ckpt_base["dir"] / "s0" if s == 0 else d / f"n{m}s{s}"  # noqa: E731
+    refs = {**sharded["refs"], (2, 0): read_dump(ckpt_base["dir"] / "s0-full.h5")}
     runs = []
     for (m, s), t in combos:
         out = tmp_path / f"from-n{m}s{s}-to-s{t}"
@@ -220,164 +165,6 @@ def test_reshard(n, sharded, base, tmp_path):
     print(f"N={n}: worst resumed diff {worst:.3g}, floor {floor:.3g}")
 
 
-# ---------------------------------------------------------------------------- crash safety
-def test_crash_single_rank_many_kills(tmp_path):
-    """20 saves SIGKILLed at random moments (uniform in 0-0.35 s of a train+save loop
-    that rotates with keep_last=2): after every kill DIR/latest verifies (sha256) and
-    names at least the last save the child reported, and the next child loads it."""
-    env = mpi_env({"PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKERS)])})
-    out = tmp_path / "log.json"
-    p = subprocess.run([sys.executable, str(WORKERS / "ckpt_crash.py"), "--dir", str(tmp_path / "ck"),
-                        "--out", str(out), "--fork", "20", "--seed", "1", "--max-delay", "0.35"],
-                       env=env, capture_output=True, text=True, timeout=170, start_new_session=True)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    log = json.loads(out.read_text())
-    assert len(log) == 20
-    # The kills did land inside saves: some left a partial .tmp-* behind.
-    assert any(t["leftovers"] for t in log), log
-    verify_checkpoint(tmp_path / "ck")
-
-
-def test_crash_two_ranks(tmp_path):
-    """SIGKILL of a whole 2-rank job (its process group, like a node failure or scancel)
-    at a random moment after its first save, i.e. inside a later save; the next job
-    loads and verifies the latest checkpoint and its successful save cleans up."""
-    ck = str(tmp_path / "ck")
-    args = [str(WORKERS / "ckpt_crash.py"), "--dir", ck, "--mpi"]
-    rng = random.Random(2)
-    for trial in range(3):
-        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py"] + args
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=mpi_env(), start_new_session=True)
-        seen = []
-        try:
-            deadline = time.monotonic() + 120
-            while not (seen and seen[-1].startswith("saved")) and time.monotonic() < deadline:
-                line = p.stdout.readline()
-                assert line or p.poll() is None, "worker exited early:\n" + "".join(seen)
-                seen.append(line)
-            assert seen[-1].startswith("saved"), "".join(seen)
-            time.sleep(rng.uniform(0.0, 0.6))
-        finally:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-            # hydra's proxy starts the ranks in a process group of their own: kill them by
-            # their command line too, as a node failure would, before the next job looks
-            while subprocess.run(["pkill", "-9", "-f", ck], capture_output=True).returncode == 0:
-                time.sleep(0.05)
-        ready = next(ln for ln in seen if ln.startswith("ready"))
-        assert trial == 0 or ready.split()[1] != "0", seen  # resumed from the previous job's save
-        verify_checkpoint(ck)
-    out = run_mpi(2, args + ["--once"], timeout=120)
-    assert "ready" in out.stdout and "saved" in out.stdout
-    assert not [e for e in os.listdir(ck) if e.startswith(".")]  # a good save cleans up
-
-
-# ---------------------------------------------------------------------------- damaged checkpoints
-def _corrupt(base, tmp_path):
-    """Damaged copies of the N=2 stage-2 odd-model checkpoint (step-3 inside DIR)."""
-    good = base["dir"] / "s2"
-    cases = {}
-
-    def copy(name):
-        dst = tmp_path / name
-        shutil.copytree(good, dst)
-        return dst, dst / "step-3"
-
-    d, c = copy("truncated")
-    with open(c / "rank-00001.h5", "r+b") as f:
-        f.truncate(os.path.getsize(c / "rank-00001.h5") // 2)
-    cases["truncated"] = (d, "rank-00001.h5")
-    d, c = copy("missing")
-    os.unlink(c / "rank-00000.h5")
-    cases["missing"] = (d, "rank-00000.h5")
-    d, c = copy("flipped")
-    with h5py.File(c / "rank-00001.h5", "r") as f:  # inside the fp32 data: HDF5 cannot notice
-        off = f["state/exp_avg"].id.get_offset() + 17
-    with open(c / "rank-00001.h5", "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
-    cases["flipped"] = (d, "rank-00001.h5")
-    d, c = copy("noindex")
-    os.unlink(c / "index.h5")
-    cases["noindex"] = (d, "index.h5")
-    d, c = copy("garbage-latest")
-    (d / "latest").write_bytes(b"\x00\xff garbage\n")
-    cases["garbage-latest"] = (d, "latest")
-    d, c = copy("bad-manifest")
-    text = (c / "manifest.json").read_bytes()
-    (c / "manifest.json").write_bytes(text.replace(b'"stage": 2', b'"stage": 1'))
-    cases["bad-manifest"] = (d, "manifest.json")
-    cases["other-model"] = (base["dir"] / "bf16", "wte.weight")
-    return cases
-
-
-def test_damaged_checkpoints_fail_on_every_rank(base, tmp_path):
-    """Each damage gives CheckpointError on all 3 ranks, naming the file (or tensor):
-    never zeros from a missing VDS source, never a rank left waiting."""
-    cases = _corrupt(base, tmp_path)
-    runs = [{"model": "odd", "stage": 2, "plan": [["load_error", str(d), None] for d, _ in cases.values()]
-             + [["load", str(base["dir"] / "s2"), None]]}]  # and the engine still loads a good one
-    res = train_job(3, runs, tmp_path, "damaged", timeout=120)
-    assert len(res["runs"][0]) == len(cases) + 1
-    assert res["runs"][0][-1]["global_steps"] == 3, res["runs"][0][-1]  # the good one loaded
-    for (case, (_, needle)), out in zip(cases.items(), res["runs"][0]):
-        errors = out["errors"]
-        assert len(errors) == 3 and all(e is not None for e in errors), (case, errors)
-        assert all(needle in e for e in errors), (case, errors)
-    msgs = {case: out["errors"][0] for case, out in zip(cases, res["runs"][0])}
-    assert "checksum (crc32) mismatch" in msgs["flipped"] and "holds" in msgs["flipped"]
-    assert "truncated" in msgs["truncated"] and "missing" in msgs["missing"]
-    assert "another model" in msgs["other-model"]
-    # inspect --verify: exit status 1 and the file named, for every case
-    for case, (d, needle) in cases.items():
-        if case == "other-model":
-            continue
-        p = subprocess.run([sys.executable, "-m", "zerompi.inspect", str(d), "--verify"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 1 and needle in p.stderr, (case, p.returncode, p.stderr)
-
-
-def test_damaged_checkpoint_uncaught_ends_the_job(base, tmp_path):
-    """Uncaught, the error ends the whole mpiexec job with a non-zero exit (no hang)."""
-    d = _corrupt(base, tmp_path)["flipped"][0]
-    runs = [{"model": "odd", "stage": 1, "plan": [["load", str(d), None]]}]
-    (tmp_path / "plan.json").write_text(json.dumps(runs))
-    res = run_mpi(3, [str(WORKERS / "ckpt_train.py"), "--out", str(tmp_path / "o.json"),
-                      "--runs", str(tmp_path / "plan.json")], timeout=90, check=False)
-    assert res.returncode != 0
-    assert "CheckpointError" in res.stdout and "rank-00001.h5: checksum (crc32) mismatch" in res.stdout, res.stdout[-3000:]
-
-
-def test_interrupted_replacement_falls_back(base, tmp_path):
-    """Saving over an existing tag moves the old one aside first; a crash between the
-    two renames leaves latest -> TAG absent: lookup uses the intact .old-TAG-*."""
-    d = tmp_path / "ck"
-    shutil.copytree(base["dir"] / "s2", d)
-    os.rename(d / "step-3", d / ".old-step-3-abcd")
-    assert resolve(d) == str(d / ".old-step-3-abcd")
-    verify_checkpoint(d)
-    shutil.rmtree(d / ".old-step-3-abcd")
-    with pytest.raises(CheckpointError, match="latest names 'step-3'"):
-        resolve(d)
-    assert resolve(tmp_path / "nothing-here") is None
-
-
-def test_rotation_only_touches_checkpoints(base, tmp_path):
-    d = tmp_path / "ck"
-    for t in ("a", "b", "c"):
-        shutil.copytree(base["dir"] / "s1" / "step-3", d / t)
-        m = json.loads((d / t / "manifest.json").read_text())
-        m["created_ns"] = {"a": 1, "b": 2, "c": 3}[t]
-        (d / t / "manifest.json").write_text(json.dumps(fmt.seal(m)))
-    (d / "notes").mkdir()
-    write_latest(str(d), "c")
-    assert rotate(str(d), 1, "c") == ["a", "b"]
-    assert sorted(os.listdir(d)) == ["c", "latest", "notes"]
-
-
 # ---------------------------------------------------------------------------- HDF5 tools
 def _h5dump_values(path, dataset):
     out = subprocess.run(["h5dump", "-m", "%.9g", "-d", dataset, str(path)],
@@ -394,12 +181,12 @@ def _h5dump_values(path, dataset):
 
 @pytest.mark.skipif(shutil.which("h5dump") is None or shutil.which("h5ls") is None,
                     reason="h5ls/h5dump missing (Debian hdf5-tools; .ci/install_debian.sh hdf5-tools)")
-def test_h5ls_h5dump_read_full_tensors(base):
+def test_h5ls_h5dump_read_full_tensors(ckpt_base):
     """Plain HDF5 tools see every tensor at its full shape through index.h5, with the
     values the rank files hold (bitwise: %.9g round-trips fp32), and the bf16 copy in
     its custom float type prints real numbers."""
     for key, lowp in (("s1", None), ("bf16", "param_bf16")):
-        ckpt = base["dir"] / key / "step-3"
+        ckpt = ckpt_base["dir"] / key / "step-3"
         m, state = full_state(ckpt)
         listing = subprocess.run(["h5ls", "-r", str(ckpt / "index.h5")], capture_output=True, text=True,
                                  timeout=60, check=True).stdout
@@ -430,8 +217,8 @@ def test_h5ls_h5dump_read_full_tensors(base):
 
 
 # ---------------------------------------------------------------------------- CLIs
-def test_inspect_cli(base):
-    ckpt = base["dir"] / "s2"
+def test_inspect_cli(ckpt_base):
+    ckpt = ckpt_base["dir"] / "s2"
     p = subprocess.run([sys.executable, "-m", "zerompi.inspect", str(ckpt), "--verify", "--tensor", "emb.weight",
                         "--tensor", "mask"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -440,7 +227,7 @@ def test_inspect_cli(base):
                    "emb.weight", "[37, 13]", "r0[", "r1[", "verify: OK", "rank-00001.h5",
                    "frozen.weight", "mask", "tied (stored once): head.weight -> emb.weight"):
         assert needle in out, (needle, out)
-    at3 = read_dump(base["dir"] / "s2-at3.h5")["emb.weight"].astype(np.float64)
+    at3 = read_dump(ckpt_base["dir"] / "s2-at3.h5")["emb.weight"].astype(np.float64)
     line = next(ln for ln in out.splitlines() if ln.startswith("param/emb.weight:"))
     st = dict(re.findall(r"(\w+) (-?[\d.e+-]+)", line))
     for key, want in (("min", at3.min()), ("max", at3.max()), ("mean", at3.mean()), ("std", at3.std()),
@@ -453,17 +240,17 @@ def test_inspect_cli(base):
 
 
 @pytest.mark.parametrize("key", ["s2", "bf16"])
-def test_export_round_trip(base, tmp_path, key):
+def test_export_round_trip(ckpt_base, tmp_path, key):
     """export = engine.full_state_dict() at the time of the save (fp32 bitwise; bf16
     export = the fp32 values rounded to bf16), plus buffers; both formats agree."""
     import torch
 
     from zerompi.export import read_safetensors_header
 
-    want = read_dump(base["dir"] / f"{key}-at3.h5")
+    want = read_dump(ckpt_base["dir"] / f"{key}-at3.h5")
     for dtype in ("fp32", "bf16"):
         out = tmp_path / dtype
-        p = subprocess.run([sys.executable, "-m", "zerompi.export", str(base["dir"] / key), str(out),
+        p = subprocess.run([sys.executable, "-m", "zerompi.export", str(ckpt_base["dir"] / key), str(out),
                             "--dtype", dtype, "--format", "both"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
         assert p.returncode == 0, p.stderr
