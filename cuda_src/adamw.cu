@@ -15,12 +15,4 @@
                       ZM_TID, ZM_NTHREADS);                                          \
   }
 
-ZM_ADAMW_KERNEL(adamw_f32_none, F32, NoOut)
-ZM_ADAMW_KERNEL(adamw_f32_bf16, F32, BF16)
-ZM_ADAMW_KERNEL(adamw_f32_f16, F32, F16)
-ZM_ADAMW_KERNEL(adamw_bf16_none, BF16, NoOut)
-ZM_ADAMW_KERNEL(adamw_bf16_bf16, BF16, BF16)
-ZM_ADAMW_KERNEL(adamw_bf16_f16, BF16, F16)
-ZM_ADAMW_KERNEL(adamw_f16_none, F16, NoOut)
-ZM_ADAMW_KERNEL(adamw_f16_bf16, F16, BF16)
-ZM_ADAMW_KERNEL(adamw_f16_f16, F16, F16)
+ZM_ADAMW_DTYPE_PAIRS(ZM_ADAMW_KERNEL, adamw)

@@ -61,3 +61,12 @@ ZM_HD void adamw_range(float* master, float* exp_avg, float* exp_avg_sq,
     if (has_out) out[i] = O::store(p);
   }
 }
+
+// Every (gradient, low-precision output) dtype pair the AdamW kernels are built for:
+// X(PREFIX_<grad>_<out>, G, O), names as the Python launchers ask for them.
+#define ZM_ADAMW_DTYPE_PAIRS(X, PREFIX)                                           \
+  X(PREFIX##_f32_none, F32, NoOut) X(PREFIX##_f32_bf16, F32, BF16)                \
+  X(PREFIX##_f32_f16, F32, F16) X(PREFIX##_bf16_none, BF16, NoOut)                \
+  X(PREFIX##_bf16_bf16, BF16, BF16) X(PREFIX##_bf16_f16, BF16, F16)               \
+  X(PREFIX##_f16_none, F16, NoOut) X(PREFIX##_f16_bf16, F16, BF16)                \
+  X(PREFIX##_f16_f16, F16, F16)

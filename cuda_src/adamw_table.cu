@@ -47,15 +47,7 @@ ZM_HD void adamw_tile(float* master, float* exp_avg, float* exp_avg_sq,
                        threadIdx.x, blockDim.x);                                     \
   }
 
-ZM_ADAMW_TABLE_KERNEL(adamw_table_f32_none, F32, NoOut)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_f32_bf16, F32, BF16)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_f32_f16, F32, F16)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_bf16_none, BF16, NoOut)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_bf16_bf16, BF16, BF16)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_bf16_f16, BF16, F16)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_f16_none, F16, NoOut)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_f16_bf16, F16, BF16)
-ZM_ADAMW_TABLE_KERNEL(adamw_table_f16_f16, F16, F16)
+ZM_ADAMW_DTYPE_PAIRS(ZM_ADAMW_TABLE_KERNEL, adamw_table)
 
 // ---- overflow + weighted sum of squares ---------------------------------------
 // Pass 1 (<<<B, 256>>>): per tile, thread t sums g*g over tile elements t, t+256, ...
