@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import numpy as np
 
@@ -94,3 +95,14 @@ def table_inputs(rng, gtag, otag, lengths=TABLE_LENGTHS, tile=64, skip=(2, 5)):
             "grad": g[:gn].copy(),
             "out": None if otag == "none" else encode(rng.standard_normal(on).astype(np.float32), otag)}
     return table, rows, bufs
+
+
+def build_host_harness(d, source: str) -> str:
+    """Compile a harness that runs the kernels' __host__ __device__ loop bodies on the CPU
+    (nvcc as a host compiler, no FMA contraction); returns the executable's path."""
+    (d / "harness.cu").write_text(source)
+    cmd = [NVCC, "-std=c++17", "-O1", "-arch=sm_80", f"-I{CUDA_SRC}", "-Xcompiler",
+           "-ffp-contract=off,-fno-strict-aliasing", "-o", str(d / "harness"), str(d / "harness.cu")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return str(d / "harness")

@@ -16,8 +16,8 @@ from zerompi.kernels import _loader
 from zerompi.kernels import adamw as kadamw
 from zerompi.kernels import cast as kcast
 
-from kernel_inputs import (CUDA_SRC, HPARAMS, NVCC, OFFSETS, SIZES, SOURCES, TAGS, adamw_inputs,
-                           assert_same, encode, make_grad)
+from kernel_inputs import (HPARAMS, NVCC, OFFSETS, SIZES, SOURCES, TAGS, adamw_inputs, assert_same,
+                           build_host_harness, encode, make_grad)
 
 # ------------------------------------- kernel loop bodies run on the CPU
 # The kernels' __host__ __device__ loop bodies, called for thread ids 0..T-1 in
@@ -112,14 +112,7 @@ KERNEL_SCALARS = ("grad_coef", "decay", "w1", "beta2", "c2", "neg_step", "bc2_sq
 def harness(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found on PATH")
-    d = tmp_path_factory.mktemp("harness")
-    (d / "harness.cu").write_text(HARNESS_CU)
-    cmd = [NVCC, "-std=c++17", "-O1", "-arch=sm_80", f"-I{CUDA_SRC}", "-Xcompiler",
-           "-ffp-contract=off,-fno-strict-aliasing", "-o", str(d / "harness"),
-           str(d / "harness.cu")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return str(d / "harness")
+    return build_host_harness(tmp_path_factory.mktemp("harness"), HARNESS_CU)
 
 
 def _hex(x):

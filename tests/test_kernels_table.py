@@ -12,7 +12,8 @@ import pytest
 from zerompi.kernels import adamw_table as kt
 from zerompi.kernels.cast import to_float32
 
-from kernel_inputs import CUDA_SRC, NVCC, TAGS, assert_same, encode, make_grad, table_inputs
+from kernel_inputs import (CUDA_SRC, NVCC, TAGS, assert_same, build_host_harness, encode, make_grad,
+                           table_inputs)
 
 HARNESS_CU = r"""
 // Emulates B blocks of T threads running the table kernels' loop bodies, one after
@@ -123,13 +124,7 @@ int main(int argc, char** argv) {
 def harness(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found on PATH")
-    d = tmp_path_factory.mktemp("table_harness")
-    (d / "harness.cu").write_text(HARNESS_CU)
-    cmd = [NVCC, "-std=c++17", "-O1", "-arch=sm_80", f"-I{CUDA_SRC}", "-Xcompiler",
-           "-ffp-contract=off,-fno-strict-aliasing", "-o", str(d / "harness"), str(d / "harness.cu")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return str(d / "harness")
+    return build_host_harness(tmp_path_factory.mktemp("table_harness"), HARNESS_CU)
 
 
 def _write(d, table, bufs, extra=()):
