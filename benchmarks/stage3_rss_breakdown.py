@@ -3,9 +3,11 @@
 
     python benchmarks/stage3_rss_breakdown.py --out benchmarks/results/stage3_rss_breakdown.json
 
-Runs `mpiexec -n N` of this file's per-rank worker once per side: "pool" (this checkout)
-and "no_pool" (the same code with zero/gather_pool.available() forced False, so every
-gather allocates its unit and every release frees it, as before the pool). Same model,
+Runs `mpiexec -n N` of this file's per-rank worker once per side: "pool" (this checkout),
+"no_pool" (the same code with zero/gather_pool.available() forced False, so every
+gather allocates its unit and every release frees it, as before the pool) and "no_trim"
+(the same code with device.HeapTrimmer disabled: backward's freed heap memory stays
+resident until reused). Step wall times are recorded too (rank 0, per step). Same model,
 data and glibc defaults on both sides: no ZEROMPI_MALLOC, GLIBC_TUNABLES or MALLOC_*
 variables reach the ranks (they are removed from the environment).
 
@@ -32,8 +34,10 @@ import ctypes
 import datetime as _dt
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -109,6 +113,21 @@ def worker(args) -> None:
     sample = _probe()
     if args.side == "no_pool":
         gather_pool.available = lambda: False
+    from zerompi import runtime
+    trim_s = [0.0]  # time inside malloc_trim (the trimming's own cost; its page faults: minflt)
+    if args.side == "no_trim":
+        from zerompi.device import HeapTrimmer
+        HeapTrimmer.released = lambda self, nbytes: None
+    else:
+        if os.environ.get("TRIM_EVERY_MIB"):  # experiment: trim less often
+            from zerompi.device import HeapTrimmer
+            HeapTrimmer.EVERY = int(os.environ["TRIM_EVERY_MIB"]) << 20
+
+        def timed(f=runtime.release_free_memory):
+            t = time.perf_counter()
+            f()
+            trim_s[0] += time.perf_counter() - t
+        runtime.release_free_memory = timed
     cfg = {"stage": 3, "precision": "fp32",
            "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
     if args.activation_checkpointing:  # ZeRO-R: block checkpoints in the contiguous arena
@@ -133,6 +152,8 @@ def worker(args) -> None:
         t = torch.randint(0, SHAPE["vocab_size"], (args.micro_batch, args.seq_len + 1), generator=g)
         x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
         trace.clear()
+        trim_s[0], flt0 = 0.0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
         trace.append(sample("step start"))
         _, loss = eng(x, y)
         trace.append(sample("forward done"))
@@ -144,7 +165,8 @@ def worker(args) -> None:
         live = max(trace, key=lambda d: d["heap_used"] + d["mmapped"])
         acts = [b["heap_used"] - a["heap_used"] for a, b in zip(trace, trace[1:])
                 if a["tag"].endswith("<") and b["tag"] == a["tag"][:-1] + ">"]
-        steps.append({"step": s, "loss": float(loss.detach()), "vm_hwm": _vm_hwm(),
+        steps.append({"step": s, "wall_s": time.perf_counter() - t0, "trim_s": trim_s[0],
+                      "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0, "loss": float(loss.detach()), "vm_hwm": _vm_hwm(),
                       "sampled_peak": peak, "live_peak": {**live, "bytes": live["heap_used"] + live["mmapped"]},
                       "activation_bytes_per_block_median": sorted(acts)[len(acts) // 2] if acts else None,
                       "at_step_start": trace[0], "at_forward_done": next(d for d in trace if d["tag"] == "forward done")})
@@ -153,7 +175,7 @@ def worker(args) -> None:
     gathered = comm.gather(res, root=0)
     if rank == 0:
         doc = {"side": args.side, "ranks": gathered}
-        if args.side == "pool":
+        if args.side == "pool":  # a property of torch, not of the side
             doc["grad_preset_check"] = _grad_preset_check()
         Path(args.out).write_text(json.dumps(doc))
 
@@ -179,11 +201,15 @@ def summarize(side: dict) -> dict:
             "split_of_the_highest_rank_MiB": _split(worst),
             "allocator_kept_and_other_growth_per_rank_MiB": [
                 _split(r)["allocator_kept_and_other_growth"] for r in ranks],
-            "activation_MiB_per_block": round(acts / MiB, 2) if side["side"] == "pool" else None,
+            "activation_MiB_per_block": round(acts / MiB, 2) if side["side"] != "no_pool" else None,
             "memory_report_MiB": {k: round(v / MiB, 1) for k, v in ranks[0]["memory_report"].items()
                                   if k not in ("numel", "padded_numel", "gather_fallbacks")},
             "gather_fallbacks": ranks[0]["memory_report"].get("gather_fallbacks"),
-            "losses_rank0": [s["loss"] for s in ranks[0]["steps"]]}
+            "losses_rank0": [s["loss"] for s in ranks[0]["steps"]],
+            "step_wall_s_rank0": [round(s["wall_s"], 2) for s in ranks[0]["steps"]],
+            "trim_s_per_step_max_rank": [round(max(r["steps"][i]["trim_s"] for r in ranks), 4)
+                                         for i in range(len(ranks[0]["steps"]))],
+            "minor_faults_per_step_rank0": [s["minor_faults"] for s in ranks[0]["steps"]]}
 
 
 def driver(args) -> None:
@@ -194,7 +220,7 @@ def driver(args) -> None:
     env.update(RANK_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     doc = {"benchmark": "stage3_rss_breakdown: peak RSS per rank of the 135M GPT, stage 3, fp32, "
-                        "glibc defaults, gather pool vs per-gather allocation (same code otherwise)",
+                        "glibc defaults, sides: this checkout (pool), without the gather pool (no_pool), without heap trimming (no_trim)",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "machine_label": MACHINE, "machine": machine_info(), "software": software_info(),
            "command": " ".join([sys.executable] + sys.argv),
@@ -236,11 +262,11 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--sides", default="pool,no_pool", help="pool, no_pool or both")
+    ap.add_argument("--sides", default="pool,no_pool", help="comma-separated: pool, no_pool, no_trim")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="zero.activation_checkpointing enabled + contiguous (ZeRO-R's arena)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--side", default="pool", choices=["pool", "no_pool"], help=argparse.SUPPRESS)
+    ap.add_argument("--side", default="pool", choices=["pool", "no_pool", "no_trim"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)

@@ -58,6 +58,33 @@ class Placement:
         return "host (pinned)" if self.pinned else ("host" if self.device.type == "cpu" else str(self.device))
 
 
+class HeapTrimmer:
+    """Gives freed heap memory back to the OS once every `every` bytes of released
+    transients (glibc malloc_trim; host placements only).
+
+    Why: in backward every stage-3 unit leaves gradients, recomputed activations and
+    MPI temporaries of its size in the heap (glibc's dynamic mmap threshold puts blocks
+    up to 32 MiB there); freed, they stay resident until reused, so the heap's high-water
+    mark, not the live bytes, sets peak RSS. Trimming as units finish keeps only what the
+    next unit touches. Measured (135M GPT, stage 3, N = 4, fp32, "vm"): peak RSS per rank
+    1053-1122 -> 1040-1057 MiB, step time within noise (benchmarks/stage3_rss_breakdown.py
+    --trim-sides). A GPU run's transients live in torch's caching allocator: no-op there."""
+
+    EVERY = 32 << 20
+
+    def __init__(self, placement: "Placement", every: int | None = None):
+        self.on = placement.device.type == "cpu"
+        self.every, self.pending = every or self.EVERY, 0
+
+    def released(self, nbytes: int) -> None:
+        if not self.on:
+            return
+        self.pending += nbytes
+        if self.pending >= self.every:
+            self.pending = 0
+            runtime.release_free_memory()
+
+
 def _loaded_mpi_libraries() -> list[str]:
     """Paths of MPI shared libraries mapped into this process."""
     try:

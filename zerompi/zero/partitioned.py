@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from ..device import HeapTrimmer
 from . import flat, gather_pool, units as units_mod
 from .init_context import adopt
 from .rounds import Rounds
@@ -127,6 +128,7 @@ class PartitionedParams:
                 _free(unit.full)
             self.units.append(unit)
         self._live = 0  # gathered elements of non-persistent units
+        self._trim = HeapTrimmer(pl)  # host: backward's freed transients back to the OS
         self._phase = "idle"
         self._seq: list[int] = []                     # this phase's unit requests
         self._trace: dict[str, list[int]] = {"forward": [], "backward": []}  # last time's
@@ -280,6 +282,7 @@ class PartitionedParams:
             u.pending -= 1
             if u.pending == 0:
                 self._release(u)
+                self._trim.released(u.size * 4)  # ~ the unit's gradients and activations
         return hook
 
     # ------------------------------------------------------------------ errors
