@@ -18,6 +18,7 @@ from typing import Sequence
 
 from .. import train_config
 from ..config import ZeroConfig
+from ..zero.engine import auto_elem_bytes
 from . import comm_model, memory, models
 from .dryrun import DryRun, dry_run as _dry_run
 from .sizing import size_run
@@ -88,7 +89,11 @@ def resolve_link(link=None, alpha: float | None = None, beta: float | None = Non
 
 def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, bucket) -> str:
     b = bucket or zcfg.bucket_size
-    b = "auto (grows with N: comm_model.auto_bucket_elements)" if b == "auto" else f"{b:,} elements"
+    if b == "auto":  # sized for the narrowest collective: the param dtype's all-gather in bf16/fp16
+        b = (f"auto (grows with N, sized for {auto_elem_bytes(precision, zcfg.reduce_dtype)}-byte "
+             "elements, the narrowest collective's: comm_model.auto_bucket_elements)")
+    else:
+        b = f"{b:,} elements"
     return (f"{_precision_label(precision, gdt)}; bucket_size {b}, bucket_count "
             f"{zcfg.bucket_count}, alignment {zcfg.alignment}, reduce_dtype {zcfg.reduce_dtype}, GAS {gas}, tp {tp}")
 
@@ -96,8 +101,7 @@ def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, buc
 def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> "int | str | tuple | None":
     if bucket != "auto" or link is None:
         return bucket  # None: the config's; "auto" without a link: the engine's own rule
-    rbytes = 4 if zcfg.reduce_dtype == "fp32" else (4 if precision == "fp32" else 2)
-    b = comm_model.auto_bucket_elements(n, rbytes, link)
+    b = comm_model.auto_bucket_elements(n, auto_elem_bytes(precision, zcfg.reduce_dtype), link)
     return b, b > comm_model.AUTO_FLOOR  # as zero.engine.bucket_policy: a floor above AUTO_FLOOR
 
 
