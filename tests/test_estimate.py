@@ -212,10 +212,12 @@ def test_dry_run_equals_the_engine_at_n1():
         assert c["engine_comm"] == c["estimate_comm"], tag
         # the engine resolves bucket_size with the run's element size, as the dry run does
         assert c["engine_policy_calls"] == c["estimate_policy_calls"] != [], tag
-        assert c["engine_policy_calls"][0][2] == {"elem_bytes": 4 if c["precision"] == "fp32" else 2}, tag
+        # (stage 0 has no parameter all-gather: its all-reduce moves the fp32 reduce dtype)
+        assert c["engine_policy_calls"][0][2] == {
+            "elem_bytes": 4 if c["precision"] == "fp32" or c["stage"] == 0 else 2}, tag
     # ... which, at large N, is the dry run's "auto" bucket for a bf16 config
     from zerompi.zero.engine import bucket_policy
-    kw = next(c["engine_policy_calls"][0][2] for c in cases if c["precision"] == "bf16")
+    kw = next(c["engine_policy_calls"][0][2] for c in cases if c["precision"] == "bf16" and c["stage"] > 0)
     runner = DryRun(models.from_preset("tiny"), ZeroConfig(precision="bf16"))
     for n in (8, 64, 4096):
         assert bucket_policy("auto", n, **kw)[0] == runner.build(n, 2).bucket > 1 << 22, n
@@ -269,15 +271,18 @@ def test_cli_dry_run_auto_chunks(precision):
     res = json.loads(p.stdout)
     assert [r["stage"] for r in res["runs"]] == [0, 1, 2, 3]
     assert all(r["equal_formula"] for r in res["runs"])
-    want = {"bf16": 1 << 29, "fp32": 1 << 28}[precision]
-    # the engine's own resolution for this run's config gives the dry run's bucket
-    assert bucket_policy("auto", 4096, elem_bytes=auto_elem_bytes(precision, "fp32")) == (want, True)
+    # stage 0 (all-reduce only, fp32) needs no more than fp32's 2^28
+    want = {(p, s): 1 << 28 if p == "fp32" or s == 0 else 1 << 29 for p in ("bf16", "fp32") for s in range(4)}
+    for s in range(4):  # the engine's own resolution for this run's config gives the dry run's bucket
+        assert bucket_policy("auto", 4096, elem_bytes=auto_elem_bytes(precision, "fp32", s)) == \
+            (want[precision, s], True)
     pbytes = 2 if precision == "bf16" else 4
     # above its 2^22 floor "auto" is a floor on every block (balanced blocks, none a short
     # remainder) and on every stage-3 unit (sibling layers coalesced, the model's unit
     # takes in leading layers)
     for r in res["runs"]:
-        assert r["bucket"] == want and r["at_least"] and r["requested_block"] == want, r["stage"]
+        w = want[precision, r["stage"]]
+        assert r["bucket"] == w and r["at_least"] and r["requested_block"] == w, r["stage"]
         ops = set()
         for c in r["collectives"]:
             if c["scalars"]:
@@ -295,9 +300,9 @@ def test_cli_dry_run_auto_chunks(precision):
     # measured (docs/scaling.md): smallest / largest chunk elements, units, buffers
     if precision == "bf16":
         assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
-                for r in res["runs"]] == [(140_176, 140_192)] * 3 + [(147_504, 196_672)]
+                for r in res["runs"]] == [(67_488, 67_504)] + [(140_176, 140_192)] * 2 + [(147_504, 196_672)]
         assert res["runs"][3]["units"] == 12 and res["runs"][3]["summary"]["smallest_chunk_bytes"] == 295_008
-        assert [r["buffers"] for r in res["runs"]] == [9_188_744_448] * 3 + [12_890_669_568]
+        assert [r["buffers"] for r in res["runs"]] == [4_424_482_176] + [9_188_744_448] * 2 + [12_890_669_568]
     else:  # fp32: the 2^28 bucket as before the byte ceiling
         assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
                 for r in res["runs"]] == [(67_488, 67_504)] * 3 + [(73_744, 101_520)]

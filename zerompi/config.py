@@ -211,7 +211,8 @@ class ZeroConfig:
     """Elements per communication bucket (also the partition block, see docs), or "auto":
     2^22 at small N, growing with N so every rank's chunk of a collective stays large
     enough that latency is a small part of its time, sized for the narrowest collective
-    (2-byte elements in bf16/fp16 runs, whose all-gathers move the param dtype) and
+    (2-byte elements in bf16/fp16 runs at stages 1-3, whose all-gathers move the param
+    dtype; stage 0 only all-reduces, in the reduce dtype) and
     capped at 1 GiB of it: 2^28 elements in fp32, 2^29 in bf16/fp16 (buffers of ~8.6 GiB
     per rank at large N with fp32 reduction; an integer caps them, reduce_dtype "param"
     halves them; zerompi/estimate/comm_model.py auto_bucket_elements; docs/scaling.md).

@@ -85,7 +85,7 @@ class DryRun:
             raise ValueError(f"N must be >= 1, got {n}")
         store = PARTS[stage].store
         # resolved exactly as the engine resolves it ("auto" grows with N)
-        eb = auto_elem_bytes(precision or self.zcfg.precision, self.zcfg.reduce_dtype)
+        eb = auto_elem_bytes(precision or self.zcfg.precision, self.zcfg.reduce_dtype, stage)
         bucket, at_least = bucket if isinstance(bucket, tuple) else \
             bucket_policy(self.zcfg.bucket_size if bucket is None else bucket, n, elem_bytes=eb)
         key = (n, store, bucket, at_least)

@@ -57,15 +57,16 @@ PARTS = {
 }
 
 
-def auto_elem_bytes(precision: str, reduce_dtype: str) -> int:
-    """Bytes per element of the narrowest collective that moves a bucket: its blocks are
-    reduce-scattered in the reduce dtype and all-gathered in the param dtype, so "auto"
-    sizes for the smaller of the two (2 in bf16/fp16 runs, 4 in fp32) and every chunk of
-    either collective reaches the latency target. The engine, the dry run and the
+def auto_elem_bytes(precision: str, reduce_dtype: str, stage: int) -> int:
+    """Bytes per element of the narrowest collective that moves a bucket: at stages 1-3
+    its blocks are reduce-scattered in the reduce dtype and all-gathered in the param
+    dtype, so "auto" sizes for the smaller of the two (2 in bf16/fp16 runs, 4 in fp32)
+    and every chunk of either collective reaches the latency target; stage 0 only
+    all-reduces gradients (in the reduce dtype). The engine, the dry run and the
     estimator all resolve "auto" through this one function."""
     param = DTYPES[precision].itemsize
     reduce = 4 if reduce_dtype == "fp32" else param
-    return min(param, reduce)
+    return reduce if stage == 0 else min(param, reduce)
 
 
 def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int) -> tuple[int, bool]:
@@ -149,7 +150,7 @@ class ZeroEngine:
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
         bucket, at_least = bucket_policy(cfg.bucket_size, self.world,
-                                         elem_bytes=auto_elem_bytes(cfg.precision, cfg.reduce_dtype))
+                                         elem_bytes=auto_elem_bytes(cfg.precision, cfg.reduce_dtype, cfg.stage))
         plan = parts.store.plan(model, trainable, cfg,
                                 coalesce_below=units_mod.coalesce_target(cfg.stage3, bucket, at_least))
         self.param_names = [n for n, _ in plan.order]
