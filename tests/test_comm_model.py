@@ -11,7 +11,7 @@ from zerompi.estimate.comm_model import (
     OPS,
     PRESETS,
     Link,
-    AUTO_CEILING, auto_bucket_elements,
+    AUTO_CEILING_BYTES, AUTO_FLOOR, auto_bucket_elements,
     collective_time,
     fit,
     latency_share,
@@ -153,40 +153,68 @@ def test_auto_never_below_floor_and_monotone():
 
 
 def test_auto_unchanged_at_small_n():
-    for n in (1, 2, 3, 4):
+    # the 2^22-element floor, whatever the element size, until n x chunk passes it:
+    # fp32 n <= 14 (281,264 elements per rank), bf16/fp16 n <= 7 (562,512)
+    for n in range(1, 15):
         assert auto_bucket_elements(n) == 1 << 22
+    for n in range(1, 8):
         assert auto_bucket_elements(n, elem_bytes=2) == 1 << 22
+    assert auto_bucket_elements(15) > 1 << 22 and auto_bucket_elements(8, elem_bytes=2) > 1 << 22
 
 
 def test_auto_chunk_at_4096_fp32():
-    # the default (capped at AUTO_CEILING = 1 GiB of fp32 per bucket): 256 KiB per rank
+    # the default byte ceiling (1 GiB of the narrowest collective) is 2^28 fp32 elements,
+    # the pre-byte-ceiling cap exactly: 256 KiB per rank
+    assert AUTO_CEILING_BYTES == 1 << 30
     b = auto_bucket_elements(4096, elem_bytes=4)
-    assert b == AUTO_CEILING and b % (4096 * 16) == 0
-    assert b // 4096 * 4 >= 256 * KiB
+    assert b == 1 << 28 and b % (4096 * 16) == 0
+    assert b // 4096 * 4 == 256 * KiB
     # uncapped, the chunk meets the 10% latency target on the default link
-    u = auto_bucket_elements(4096, elem_bytes=4, ceiling=None)
+    u = auto_bucket_elements(4096, elem_bytes=4, ceiling_bytes=None)
     assert u % (4096 * 16) == 0 and latency_share(u // 4096 * 4, PRESETS["hdr-ib"]) <= 0.1
+
+
+def test_auto_chunk_at_4096_two_byte_elements():
+    # bf16/fp16 all-gathers: the same 1 GiB ceiling is 2^29 elements (DeepSpeed's default
+    # buckets are 5e8), so the 2-byte all-gather chunk is 256 KiB too (a 4-byte-sized
+    # bucket, 2^28, would leave it 128 KiB) and an fp32 reduce-scatter of it 512 KiB
+    b = auto_bucket_elements(4096, elem_bytes=2)
+    assert b == 1 << 29 == AUTO_CEILING_BYTES // 2 and b % (4096 * 16) == 0
+    assert b // 4096 * 2 == 256 * KiB and b // 4096 * 4 == 512 * KiB
+    # below the ceiling: twice the fp32 elements (the same bytes per chunk, up to rounding)
+    for n in (64, 100, 256):
+        b2, b4 = auto_bucket_elements(n, elem_bytes=2), auto_bucket_elements(n, elem_bytes=4)
+        assert b2 % (n * 16) == 0 and abs(b2 - 2 * b4) <= n * 16, n
+        assert latency_share(b2 // n * 2, PRESETS["hdr-ib"]) <= 0.1
+    # the ceiling holds bytes, not elements: every n, either element size
+    for n in NS:
+        for eb in (1, 2, 4, 8):
+            assert auto_bucket_elements(n, elem_bytes=eb) * eb <= max(AUTO_CEILING_BYTES, AUTO_FLOOR * eb)
 
 
 def test_auto_meets_the_latency_target_above_the_floor():
     for link in PRESETS.values():
         for f in (0.05, 0.1, 0.3):
             for n in (64, 1024, 4096):
-                b = auto_bucket_elements(n, link=link, latency_fraction=f, ceiling=None)
-                if b > 1 << 22:
-                    assert b % (n * 16) == 0
-                    assert latency_share(b // n * 4, link) <= f + 1e-12
-                    # the smallest such: one alignment step less would miss it
-                    assert latency_share((b // n - 16) * 4, link) > f
+                for eb in (2, 4):
+                    b = auto_bucket_elements(n, eb, link=link, latency_fraction=f, ceiling_bytes=None)
+                    if b > 1 << 22:
+                        assert b % (n * 16) == 0
+                        assert latency_share(b // n * eb, link) <= f + 1e-12
+                        # the smallest such: one alignment step less would miss it
+                        assert latency_share((b // n - 16) * eb, link) > f
 
 
 def test_auto_ceiling_and_bad_arguments():
-    assert auto_bucket_elements(4096, ceiling=1 << 28) == 1 << 28
-    assert auto_bucket_elements(2, ceiling=1 << 28) == 1 << 22
+    assert auto_bucket_elements(4096, ceiling_bytes=1 << 30) == 1 << 28
+    assert auto_bucket_elements(4096, elem_bytes=2, ceiling_bytes=1 << 30) == 1 << 29
+    assert auto_bucket_elements(4096, ceiling_bytes=1 << 26) == 1 << 24
+    assert auto_bucket_elements(2, ceiling_bytes=1 << 30) == 1 << 22
     for kw, word in [(dict(n=0), "n"), (dict(elem_bytes=0), "elem_bytes"),
                      (dict(latency_fraction=0), "latency_fraction"),
                      (dict(latency_fraction=1.5), "latency_fraction"), (dict(floor=0), "floor"),
-                     (dict(ceiling=1 << 10), "ceiling")]:
+                     (dict(ceiling_bytes=1 << 10), "ceiling_bytes"),
+                     (dict(ceiling_bytes=(1 << 24) - 1), "ceiling_bytes")]:  # below floor x 4 bytes
         with pytest.raises(ValueError, match=word):
             auto_bucket_elements(**({"n": 8} | kw))
 

@@ -5,7 +5,10 @@
   virtual ranks; its per-rank bytes (a ShardState on the meta device) equal the formula
   at the padded T for the 135M reference GPT and a 7.5B layout at N = 1, 3, 64, 1024,
   4096, and its per-rank real-element counts equal a brute-force count.
-- At N = 1 the real engine's memory_report() and comm_stats() equal the dry run's.
+- At N = 1 the real engine's memory_report() and comm_stats() equal the dry run's, and
+  the engine resolves bucket_size with the same element size as the dry run.
+- bucket_size "auto" at N = 4096 (7.5B, bf16 and fp32, stages 0-3): every collective's
+  per-rank chunk is >= 256 KiB in its own bytes.
 - The CLI: every mode runs; bad input is one line and exit status 2.
 """
 from __future__ import annotations
@@ -93,8 +96,7 @@ def test_dry_run_bytes_equal_the_formula(runners, name, n):
             assert d["equal_formula"], d["memory_report"]
             for rank, rep in d["memory_report"].items():  # ranks 0 and N-1, as ShardState counts
                 assert rep["model_states"] == _expected(stage, precision, gdt, T, n), (stage, rank)
-            built = runner.build(n, stage)
-            units = len(built.layout.unit_spans)
+            units = d["units"]  # this run's layout ("auto" depends on the precision)
             assert 0 <= T - psi < units * n * 16 and T % n == 0
             bal = d["real_elements"]
             assert bal["padding_total"] == T - psi and bal["max"] <= T // n
@@ -208,6 +210,17 @@ def test_dry_run_equals_the_engine_at_n1():
         assert c["engine_buffers"] == c["estimate_buffers"], tag
         assert c["engine_gather_pool"] == c["estimate_gathered"], tag  # stage 3's pool; else 0
         assert c["engine_comm"] == c["estimate_comm"], tag
+        # the engine resolves bucket_size with the run's element size, as the dry run does
+        assert c["engine_policy_calls"] == c["estimate_policy_calls"] != [], tag
+        # (stage 0 has no parameter all-gather: its all-reduce moves the fp32 reduce dtype)
+        assert c["engine_policy_calls"][0][2] == {
+            "elem_bytes": 4 if c["precision"] == "fp32" or c["stage"] == 0 else 2}, tag
+    # ... which, at large N, is the dry run's "auto" bucket for a bf16 config
+    from zerompi.zero.engine import bucket_policy
+    kw = next(c["engine_policy_calls"][0][2] for c in cases if c["precision"] == "bf16" and c["stage"] > 0)
+    runner = DryRun(models.from_preset("tiny"), ZeroConfig(precision="bf16"))
+    for n in (8, 64, 4096):
+        assert bucket_policy("auto", n, **kw)[0] == runner.build(n, 2).bucket > 1 << 22, n
 
 
 # ---------------------------------------------------------------------- CLI
@@ -241,24 +254,68 @@ def test_cli_params_json():
     assert t.returncode == 0 and "16Ψ/N" in t.stdout, t.stderr
 
 
-def test_cli_dry_run():
-    p = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--json")
+KiB = 1024
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cli_dry_run_auto_chunks(precision):
+    """Issue 17: with bucket_size "auto" (the default) every collective of the 7.5B layout
+    at N = 4096 has per-rank chunks of at least 256 KiB in its own bytes (reduce-scatter
+    and stage 0's all-reduce in fp32, the reduce dtype; all-gather in the param dtype),
+    stages 0-3. "auto" sizes the bucket for the narrowest of them: 2 bytes in bf16 (2^29
+    elements, the 1 GiB byte ceiling), 4 in fp32 (2^28)."""
+    from zerompi.zero.engine import auto_elem_bytes, bucket_policy
+
+    p = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--precision", precision, "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert [r["stage"] for r in res["runs"]] == [0, 1, 2, 3]
     assert all(r["equal_formula"] for r in res["runs"])
-    # bucket_size "auto" (the default) is capped at AUTO_CEILING (1 GiB of fp32) and above
-    # its 2^22 floor is a floor on every block (balanced blocks, none a short remainder)
-    # and on every stage-3 unit (sibling layers coalesced, the model's unit takes in h.0):
-    # every per-rank chunk of every stage is >= 2^28 / 4096 = 65,536 elements (256 KiB fp32)
+    # stage 0 (all-reduce only, fp32) needs no more than fp32's 2^28
+    want = {(p, s): 1 << 28 if p == "fp32" or s == 0 else 1 << 29 for p in ("bf16", "fp32") for s in range(4)}
+    for s in range(4):  # the engine's own resolution for this run's config gives the dry run's bucket
+        assert bucket_policy("auto", 4096, elem_bytes=auto_elem_bytes(precision, "fp32", s)) == \
+            (want[precision, s], True)
+    pbytes = 2 if precision == "bf16" else 4
+    # above its 2^22 floor "auto" is a floor on every block (balanced blocks, none a short
+    # remainder) and on every stage-3 unit (sibling layers coalesced, the model's unit
+    # takes in leading layers)
     for r in res["runs"]:
-        assert r["at_least"] and r["requested_block"] == 1 << 28, r
-        assert r["summary"]["smallest_chunk_elements"] >= (1 << 28) // 4096, (r["stage"], r["summary"])
-    assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
-            for r in res["runs"]] == [(67_488, 67_504)] * 3 + [(73_744, 101_520)]
-    assert res["runs"][3]["units"] == 18  # h.0+<root>, 16 pairs of layers, h.33+h.34+h.35 (2 blocks)
+        w = want[precision, r["stage"]]
+        assert r["bucket"] == w and r["at_least"] and r["requested_block"] == w, r["stage"]
+        ops = set()
+        for c in r["collectives"]:
+            if c["scalars"]:
+                continue
+            ops.add(c["op"])
+            assert c["element_bytes"] == (pbytes if c["op"] == "all_gather" else 4), c
+            assert c["chunk_elements"] * c["element_bytes"] >= 256 * KiB, (precision, r["stage"], c)
+        assert ops == ({"all_reduce"} if r["stage"] == 0 else {"reduce_scatter", "all_gather"})
+        s = r["summary"]
+        for op in ops:
+            assert s["by_op"][op]["smallest_chunk_bytes"] >= 256 * KiB, (r["stage"], op, s)
+        assert s["smallest_chunk_bytes"] == min(s["by_op"][op]["smallest_chunk_bytes"] for op in ops)
+        # the reducer's buffers: ~2 largest blocks per slot, fp32
+        assert r["buffers"] == 2 * (2 * r["block"] + r["block"] // 4096) * 4, r["stage"]
+    # measured (docs/scaling.md): smallest / largest chunk elements, units, buffers
+    if precision == "bf16":
+        assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
+                for r in res["runs"]] == [(67_488, 67_504)] + [(140_176, 140_192)] * 2 + [(147_504, 196_672)]
+        assert res["runs"][3]["units"] == 12 and res["runs"][3]["summary"]["smallest_chunk_bytes"] == 295_008
+        assert [r["buffers"] for r in res["runs"]] == [4_424_482_176] + [9_188_744_448] * 2 + [12_890_669_568]
+    else:  # fp32: the 2^28 bucket as before the byte ceiling
+        assert [(r["summary"]["smallest_chunk_elements"], r["summary"]["largest_chunk_elements"])
+                for r in res["runs"]] == [(67_488, 67_504)] * 3 + [(73_744, 101_520)]
+        assert res["runs"][3]["units"] == 18  # h.0+<root>, 16 pairs of layers, h.33+h.34+h.35
+        assert [r["buffers"] for r in res["runs"]] == [4_424_482_176] * 3 + [6_654_026_880]
+
+
+def test_cli_dry_run():
     text = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--stage", "3")
     assert text.returncode == 0 and "recounted from layout.pieces" in text.stdout, text.stderr
+    # the text names the resolved bucket, the buffers it costs and the smallest chunk per op
+    assert "536,870,912 (floor on blocks)" in text.stdout and "12,890,669,568 B" in text.stdout, text.stdout
+    assert "AG 288.1 KiB, RS 576.2 KiB" in text.stdout, text.stdout
     # a fixed 4M bucket at N = 4096 is a budget: balanced blocks of at most 4M, 1,008-1,024
     # elements per rank (before balancing the last block of a span left 608, and each
     # stage-3 layer a 65,536-element tail block: 16 per rank); no coalescing (37 units)

@@ -210,11 +210,16 @@ class ZeroConfig:
     bucket_size: int | str = "auto"
     """Elements per communication bucket (also the partition block, see docs), or "auto":
     2^22 at small N, growing with N so every rank's chunk of a collective stays large
-    enough that latency is a small part of its time (zerompi/estimate/comm_model.py
-    auto_bucket_elements; docs/scaling.md). Each span (the model, a stage-3 unit) is cut
-    into balanced blocks: at most this many elements (an integer, or "auto" at its 2^22
-    floor), or with "auto" above the floor at least this many (then stage-3 units are
-    coalesced to it too, stage3.coalesce_elements). Each of the `bucket_count` slots
+    enough that latency is a small part of its time, sized for the narrowest collective
+    (2-byte elements in bf16/fp16 runs at stages 1-3, whose all-gathers move the param
+    dtype; stage 0 only all-reduces, in the reduce dtype) and
+    capped at 1 GiB of it: 2^28 elements in fp32, 2^29 in bf16/fp16 (buffers of ~8.6 GiB
+    per rank at large N with fp32 reduction; an integer caps them, reduce_dtype "param"
+    halves them; zerompi/estimate/comm_model.py auto_bucket_elements; docs/scaling.md).
+    Each span (the model, a stage-3 unit) is cut into balanced blocks: at most this many
+    elements (an integer, or "auto" at its 2^22 floor), or with "auto" above the floor at
+    least this many (then stage-3 units are coalesced to it too,
+    stage3.coalesce_elements). Each of the `bucket_count` slots
     holds ~2.5 of the largest block (send, alltoall receive, own chunk) in the reduce
     dtype: 2^22 elements = 16 MiB per bucket (DDP uses 25 MB buckets)."""
     bucket_count: int = 2

@@ -23,10 +23,21 @@ CASES = [(s, p, g, None) for s in (0, 1, 2, 3)
          for p, g in (("fp32", "param"), ("bf16", "param"), ("bf16", "fp32"))]
 CASES += [(2, "bf16", "param", (60_000, True)), (3, "bf16", "param", (60_000, True))]
 real_policy = zerompi.zero.engine.bucket_policy
+
+
+def recording(calls, forced):
+    """bucket_policy as the engine or the dry run calls it, its arguments kept (the
+    element size "auto" is sized for must come from the run's precision in both)."""
+    def policy(b, w, **kw):
+        calls.append([b, w, kw])
+        return real_policy(b, w, **kw) if forced is None else forced
+    return policy
+
+
 for stage, precision, gdt, forced in CASES:
-    policy = real_policy if forced is None else (lambda b, w, _f=forced: _f)
-    zerompi.zero.engine.bucket_policy = policy
-    zerompi.estimate.dryrun.bucket_policy = policy
+    engine_calls, estimate_calls = [], []
+    zerompi.zero.engine.bucket_policy = recording(engine_calls, forced)
+    zerompi.estimate.dryrun.bucket_policy = recording(estimate_calls, forced)
     gas = 2
     cfg = zerompi.load_config({"stage": stage, "precision": precision, "grad_accum_dtype": gdt,
                                "bucket_size": 4096, "gradient_accumulation_steps": gas})
@@ -58,6 +69,7 @@ for stage, precision, gdt, forced in CASES:
                 "estimate_gathered": working_bytes(built, stage, cfg, 4 if precision == "fp32" else 2)["gathered"],
                 "engine_padded": rep["padded_numel"], "estimate_padded": built.layout.total,
                 "engine_comm": comm, "estimate_comm": est_comm, "forced": forced,
+                "engine_policy_calls": engine_calls, "estimate_policy_calls": estimate_calls,
                 "engine_units": [u.name for u in getattr(eng.param_store, "units", [])],
                 "estimate_units": built.plan.unit_names if stage == 3 else [],
                 "engine_blocks": eng.layout.blocks, "estimate_blocks": built.layout.blocks})

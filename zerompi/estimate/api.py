@@ -18,6 +18,7 @@ from typing import Sequence
 
 from .. import train_config
 from ..config import ZeroConfig
+from ..zero.engine import auto_elem_bytes
 from . import comm_model, memory, models
 from .dryrun import DryRun, dry_run as _dry_run
 from .sizing import size_run
@@ -88,16 +89,20 @@ def resolve_link(link=None, alpha: float | None = None, beta: float | None = Non
 
 def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, bucket) -> str:
     b = bucket or zcfg.bucket_size
-    b = "auto (grows with N: comm_model.auto_bucket_elements)" if b == "auto" else f"{b:,} elements"
+    if b == "auto":  # sized for the narrowest collective: the param dtype's all-gather in bf16/fp16
+        b = (f"auto (grows with N, sized for {auto_elem_bytes(precision, zcfg.reduce_dtype, 1)}-byte "
+             "elements, the narrowest collective's at stages 1-3 (stage 0: the reduce dtype's): "
+             "comm_model.auto_bucket_elements)")
+    else:
+        b = f"{b:,} elements"
     return (f"{_precision_label(precision, gdt)}; bucket_size {b}, bucket_count "
             f"{zcfg.bucket_count}, alignment {zcfg.alignment}, reduce_dtype {zcfg.reduce_dtype}, GAS {gas}, tp {tp}")
 
 
-def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link) -> "int | str | tuple | None":
+def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link, stage: int) -> "int | str | tuple | None":
     if bucket != "auto" or link is None:
         return bucket  # None: the config's; "auto" without a link: the engine's own rule
-    rbytes = 4 if zcfg.reduce_dtype == "fp32" else (4 if precision == "fp32" else 2)
-    b = comm_model.auto_bucket_elements(n, rbytes, link)
+    b = comm_model.auto_bucket_elements(n, auto_elem_bytes(precision, zcfg.reduce_dtype, stage), link)
     return b, b > comm_model.AUTO_FLOOR  # as zero.engine.bucket_policy: a floor above AUTO_FLOOR
 
 
@@ -125,7 +130,7 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     layout_spec = spec if tp == 1 else models.from_params(spec.psi / tp)
     runner = DryRun(layout_spec, zcfg)
     runs = [size_run(spec, runner, n, stage=s, precision=precision, grad_accum_dtype=gdt, gas=gas, tp=tp,
-                     bucket=_bucket_at(bucket, n, zcfg, precision, lk), micro_batch=micro_batch,
+                     bucket=_bucket_at(bucket, n, zcfg, precision, lk, s), micro_batch=micro_batch,
                      global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk)
             for n in dps for s in stages]
     note = "" if tp == 1 else (f"\nTensor parallelism is not in the engine yet (issue 15): with tp = {tp} "
@@ -157,7 +162,7 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
     lk = resolve_link(link, alpha, beta) if bucket == "auto" and (link or alpha or beta) else None
     runner = DryRun(spec, zcfg)
     runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None,
-                     _bucket_at(bucket, n, zcfg, precision, lk))
+                     _bucket_at(bucket, n, zcfg, precision, lk, s))
             for n in dps for s in stages]
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     return {"mode": "dry_run", "model": spec.describe(), "psi": spec.psi,

@@ -25,11 +25,12 @@ import torch
 from ..config import ZeroConfig
 from ..device import Placement
 from ..precision import DTYPES
-from ..zero.engine import PARTS, bucket_policy
+from ..zero.engine import PARTS, auto_elem_bytes, bucket_policy
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
 from ..zero.units import coalesce_target
 from ..zero.state import ShardState
+from .activations import comm_buffer_bytes
 from .memory import model_states
 from .models import ModelSpec, meta_model
 
@@ -43,6 +44,7 @@ class Built:
     plan: Plan
     numels: list[int]
     seconds: float                                 # plan + FlatLayout constructor
+    bucket: int = 0                                # bucket_policy's bucket (elements)
     balance: dict | None = None                    # balance(): computed once per layout
     _chunks: dict = field(default_factory=dict)
 
@@ -74,15 +76,18 @@ class DryRun:
             raise RuntimeError(f"meta model holds {stored} bytes of parameter storage")
         self._cache: dict = {}
 
-    def build(self, n: int, stage: int, bucket: "int | str | tuple[int, bool] | None" = None) -> Built:
+    def build(self, n: int, stage: int, bucket: "int | str | tuple[int, bool] | None" = None,
+              precision: str | None = None) -> Built:
         """The layout the engine builds at N ranks for `stage` (bucket: override
-        zero.bucket_size; a pair (elements, at_least) is taken as resolved)."""
+        zero.bucket_size; a pair (elements, at_least) is taken as resolved; precision:
+        override zero.precision, which sizes "auto")."""
         if n < 1:
             raise ValueError(f"N must be >= 1, got {n}")
         store = PARTS[stage].store
         # resolved exactly as the engine resolves it ("auto" grows with N)
+        eb = auto_elem_bytes(precision or self.zcfg.precision, self.zcfg.reduce_dtype, stage)
         bucket, at_least = bucket if isinstance(bucket, tuple) else \
-            bucket_policy(self.zcfg.bucket_size if bucket is None else bucket, n)
+            bucket_policy(self.zcfg.bucket_size if bucket is None else bucket, n, elem_bytes=eb)
         key = (n, store, bucket, at_least)
         if key not in self._cache:
             t = time.perf_counter()
@@ -91,7 +96,7 @@ class DryRun:
             numels = [p.numel() for _, p in plan.order]
             layout = FlatLayout(numels, n, bucket, self.zcfg.alignment, units=plan.unit_sizes,
                                 at_least=at_least)
-            built = Built(n, layout, plan, numels, time.perf_counter() - t)
+            built = Built(n, layout, plan, numels, time.perf_counter() - t, bucket)
             self._cache[key] = built
         return self._cache[key]
 
@@ -150,13 +155,17 @@ def real_elements(built: Built, rank: int) -> int:
 
 
 # ------------------------------------------------------------------ collectives per step
+def reduce_bytes(zcfg: ZeroConfig, precision: str) -> int:
+    """Bytes per element of the gradient reduction (engine: GradReducer's reduce_dtype)."""
+    return 4 if zcfg.reduce_dtype == "fp32" else DTYPES[precision].itemsize
+
+
 def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas: int = 1) -> list[dict]:
     """Every collective of one optimizer step (GAS micro-steps) as rows grouped by buffer
     size: op, elements per collective, per-rank chunk, bytes, count per step, and the
     elements per step in comm_stats()'s convention (all-reduce of n counts 2n)."""
     layout, n = built.layout, built.n
-    pbytes = DTYPES[precision].itemsize
-    rbytes = 4 if zcfg.reduce_dtype == "fp32" else pbytes
+    pbytes, rbytes = DTYPES[precision].itemsize, reduce_bytes(zcfg, precision)
     sizes = [e - s for s, e in layout.blocks]
     all_blocks = Counter(sizes)
     reduce_times = gas if PARTS[stage].reduction == "scatter_per_bucket" else 1
@@ -190,17 +199,27 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
 
 
 def collective_summary(rows: list[dict]) -> dict:
-    """Collectives per step by op, and the smallest per-rank chunk of a bucket collective."""
+    """Collectives per step by op, and the smallest per-rank chunk of a bucket collective,
+    per op and overall, in elements and in the op's own bytes (reduce-scatter and stage 0's
+    all-reduce in the reduce dtype, all-gather in the param dtype): the same elements are
+    fewer bytes in a bf16 all-gather than in an fp32 reduce-scatter."""
     by_op: dict[str, dict] = {}
     for r in rows:
-        d = by_op.setdefault(r["op"], {"count": 0, "counted_elements": 0, "bytes": 0})
+        d = by_op.setdefault(r["op"], {"count": 0, "counted_elements": 0, "bytes": 0,
+                                       "smallest_chunk_elements": None, "smallest_chunk_bytes": None})
         d["count"] += r["count"]
         d["counted_elements"] += r["counted_elements"]
         d["bytes"] += r["bytes_per_step"]
+        if not r["scalars"]:
+            cb = r["chunk_elements"] * r["element_bytes"]
+            if d["smallest_chunk_bytes"] is None or cb < d["smallest_chunk_bytes"]:
+                d["smallest_chunk_bytes"] = cb
+            if d["smallest_chunk_elements"] is None or r["chunk_elements"] < d["smallest_chunk_elements"]:
+                d["smallest_chunk_elements"] = r["chunk_elements"]
     bucket_rows = [r for r in rows if not r["scalars"]]
-    smallest = min(bucket_rows, key=lambda r: r["chunk_elements"])
+    smallest = min(bucket_rows, key=lambda r: r["chunk_elements"] * r["element_bytes"])
     return {"by_op": by_op, "collectives": sum(d["count"] for d in by_op.values()),
-            "smallest_chunk_elements": smallest["chunk_elements"],
+            "smallest_chunk_elements": min(r["chunk_elements"] for r in bucket_rows),
             "smallest_chunk_bytes": smallest["chunk_elements"] * smallest["element_bytes"],
             "smallest_chunk_op": smallest["op"],
             "largest_chunk_elements": max(r["chunk_elements"] for r in bucket_rows)}
@@ -241,7 +260,7 @@ def dry_run(runner: DryRun, n: int, stage: int, precision: str = "bf16", grad_ac
     """The engine's layout at N ranks for one stage: per-rank bytes (checked against the
     formula at the padded T), real-element imbalance over all ranks, collectives."""
     t0 = time.perf_counter()
-    built = runner.build(n, stage, bucket)
+    built = runner.build(n, stage, bucket, precision)
     layout = built.layout
     T, psi = layout.total, sum(built.numels)
     bal = balance(built, check_ranks)
@@ -253,12 +272,14 @@ def dry_run(runner: DryRun, n: int, stage: int, precision: str = "bf16", grad_ac
     return {
         "N": n, "stage": stage, "precision": precision, "grad_accum_dtype": grad_accum_dtype,
         "bucket_size": runner.zcfg.bucket_size if bucket is None else bucket[0] if isinstance(bucket, tuple) else bucket,
-        "at_least": layout.at_least, "requested_block": layout.requested,
+        "bucket": built.bucket, "at_least": layout.at_least, "requested_block": layout.requested,
         "alignment": runner.zcfg.alignment, "gas": gas,
         "params": psi, "padded": T, "padding": T - psi, "blocks": len(layout.blocks),
         "units": len(layout.unit_spans), "block": layout.block,
         "owned_per_rank": T if PARTS[stage].owns_all else layout.shard_size,
         "memory_report": {str(r): st for r, st in states.items()},
+        # the reducer's buffers (engine.memory_report()["buffers"]), in the reduce dtype
+        "buffers": comm_buffer_bytes(layout, runner.zcfg.bucket_count, reduce_bytes(runner.zcfg, precision)),
         "formula_at_T": want, "formula_at_psi": paper, "equal_formula": equal,
         "real_elements": bal,
         "collectives": rows, "summary": collective_summary(rows),

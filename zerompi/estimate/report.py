@@ -137,6 +137,8 @@ def render_sizing(res: dict) -> str:
             out.append(f"N = {d['N']}, stage {d['stage']}: states + buffers + work {fits} in {gib(mem, unit)} {uname} "
                        "(no shape given: activations unknown)")
     out.append("")
+    out.append(render_buckets(runs))
+    out.append("")
     out.append(render_comm(runs))
     if len(runs) <= 2:
         for d in runs:
@@ -175,6 +177,33 @@ def render_comm(runs: list[dict]) -> str:
     lines.append(table(header, body))
     lines.append("min/max chunk: elements per rank in one bucket collective (block / N).")
     return "\n".join(lines)
+
+
+OP_SHORT = {"reduce_scatter": "RS", "all_gather": "AG", "all_reduce": "AR"}
+
+
+def kib(b: int) -> str:
+    return f"{b / 1024:,.1f} KiB" if b < 2**20 else f"{b / 2**20:,.2f} MiB"
+
+
+def render_buckets(runs: list[dict]) -> str:
+    """The resolved bucket, the reducer's buffers it costs, and the smallest per-rank
+    chunk of each collective in that collective's own bytes."""
+    header = ["N", "stage", "bucket (elements)", "largest block", "buffers / rank", "smallest chunk per op"]
+    uname, unit = pick_unit([d["buffers"] for d in runs])
+    body = []
+    for d in runs:
+        mins = [f"{OP_SHORT.get(op, op)} {kib(v['smallest_chunk_bytes'])}"
+                for op, v in sorted(d["summary"]["by_op"].items()) if v["smallest_chunk_bytes"] is not None]
+        body.append([d["N"], d["stage"], count(d["bucket"]) + (" (floor on blocks)" if d["at_least"] else ""),
+                     count(d["block"]), f"{d['buffers']:,} B ({gib(d['buffers'], unit)} {uname})", ", ".join(mins)])
+    return "\n".join([table(header, body),
+                      "bucket: zero.bucket_size resolved at N (\"auto\": sized so the narrowest collective's "
+                      "chunk reaches the latency target, comm_model.auto_bucket_elements);",
+                      "buffers: the gradient reducer's (memory_report()['buffers']), bucket_count slots of "
+                      "~2 largest blocks in the reduce dtype;",
+                      "smallest chunk: bytes per rank in one collective, RS/AR in the reduce dtype, AG in "
+                      "the param dtype."])
 
 
 def render_collectives(d: dict) -> str:
@@ -227,4 +256,6 @@ def render_dry_run(res: dict) -> str:
     out.append("chunk min / max: elements per rank in one bucket collective (block / N); blocks are balanced, "
                "so the smallest come from stage-3 units shorter than a bucket.")
     out.append("time: this row's part (a layout is built once per N and shared by stages 0-2).")
+    out.append("")
+    out.append(render_buckets(res["runs"]))
     return "\n".join(out)

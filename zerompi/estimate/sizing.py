@@ -14,7 +14,7 @@ import math
 from ..precision import DTYPES
 from . import comm_model
 from .activations import STRATEGIES, activation_bytes, comm_buffer_bytes, largest_micro_batch, working_bytes
-from .dryrun import DryRun, collective_summary, collectives
+from .dryrun import DryRun, collective_summary, collectives, reduce_bytes
 from .memory import model_states
 from .models import ModelSpec
 
@@ -47,10 +47,9 @@ def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: 
     (spec's GPT, or with tp > 1 a flat vector of Psi / tp: the engine has no tensor
     parallelism yet, so no real tp layout exists); `spec` gives the activations."""
     zcfg = runner.zcfg
-    built = runner.build(n, stage, bucket)
+    built = runner.build(n, stage, bucket, precision)
     layout = built.layout
-    pbytes = DTYPES[precision].itemsize
-    rbytes = 4 if zcfg.reduce_dtype == "fp32" else pbytes
+    pbytes, rbytes = DTYPES[precision].itemsize, reduce_bytes(zcfg, precision)
     T = layout.total
     states = model_states(T, n, stage, precision, grad_accum_dtype)
     buffers = comm_buffer_bytes(layout, zcfg.bucket_count, rbytes)
@@ -61,7 +60,8 @@ def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: 
         {"gathered": 0, "persistent": 0, "transient_grads": 0}
     fixed = states["model_states"] + buffers + sum(work.values())
     out = {"N": n, "stage": stage, "precision": precision, "grad_accum_dtype": grad_accum_dtype,
-           "gas": gas, "tp": tp, "params": sum(built.numels), "padded": T, "block": layout.block,
+           "gas": gas, "tp": tp, "params": sum(built.numels), "padded": T, "bucket": built.bucket,
+           "at_least": layout.at_least, "block": layout.block,
            "blocks": len(layout.blocks), "model_states": states, "buffers": buffers, **work,
            "fixed": fixed, "work_estimated": structured}
     if micro_batch is None:

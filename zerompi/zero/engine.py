@@ -57,24 +57,31 @@ PARTS = {
 }
 
 
-def bucket_elements(bucket_size: int | str, world: int) -> int:
-    """The partition block / bucket in elements: as configured, or the "auto" rule that
-    grows it with the data-parallel size (zerompi/estimate/comm_model.py)."""
-    return bucket_policy(bucket_size, world)[0]
+def auto_elem_bytes(precision: str, reduce_dtype: str, stage: int) -> int:
+    """Bytes per element of the narrowest collective that moves a bucket: at stages 1-3
+    its blocks are reduce-scattered in the reduce dtype and all-gathered in the param
+    dtype, so "auto" sizes for the smaller of the two (2 in bf16/fp16 runs, 4 in fp32)
+    and every chunk of either collective reaches the latency target; stage 0 only
+    all-reduces gradients (in the reduce dtype). The engine, the dry run and the
+    estimator all resolve "auto" through this one function."""
+    param = DTYPES[precision].itemsize
+    reduce = 4 if reduce_dtype == "fp32" else param
+    return reduce if stage == 0 else min(param, reduce)
 
 
-def bucket_policy(bucket_size: int | str, world: int) -> tuple[int, bool]:
+def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int) -> tuple[int, bool]:
     """(bucket elements, at_least) for FlatLayout. The number's meaning decides which way
     a span's balanced blocks round: an integer bucket_size, and "auto" at its 2^22 floor
     (small N), are memory budgets - every block <= the bucket, so the reducer's buffers
     stay as documented; "auto" above the floor is derived from the per-rank chunk that
     keeps latency small (large N) - every block >= the bucket, so no chunk falls below
-    it (buffers grow by at most 1 / nb of a block). Results do not depend on it."""
+    it (buffers grow by at most 1 / nb of a block). Results do not depend on it.
+    elem_bytes: auto_elem_bytes of the run (keyword-only, so no caller can leave it out)."""
     if bucket_size != "auto":
         return int(bucket_size), False
     from ..estimate.comm_model import AUTO_FLOOR, auto_bucket_elements
 
-    b = auto_bucket_elements(world, elem_bytes=4)  # buckets reduce in fp32 by default
+    b = auto_bucket_elements(world, elem_bytes=elem_bytes)
     return b, b > AUTO_FLOOR
 
 
@@ -142,7 +149,8 @@ class ZeroEngine:
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
-        bucket, at_least = bucket_policy(cfg.bucket_size, self.world)
+        bucket, at_least = bucket_policy(cfg.bucket_size, self.world,
+                                         elem_bytes=auto_elem_bytes(cfg.precision, cfg.reduce_dtype, cfg.stage))
         plan = parts.store.plan(model, trainable, cfg,
                                 coalesce_below=units_mod.coalesce_target(cfg.stage3, bucket, at_least))
         self.param_names = [n for n, _ in plan.order]
