@@ -10,7 +10,7 @@ CHECKS = {
     "all_reduce_numpy", "reduce_scatter_ordered_fp32", "reduce_scatter_native_fp32",
     "reduce_scatter_ordered_bf16", "all_gather_float32", "all_gather_bfloat16", "broadcast",
     "allreduce_scalars", "async_reverse_wait", "split_even_odd", "stats",
-    "size_mismatch_raises", "bucket_independence",
+    "size_mismatch_raises", "bucket_independence", "barrier_poll",
 }
 
 

@@ -316,6 +316,17 @@ for req_block in (1, 64, 300, 1000, 4096, 10**9):
 done.append("bucket_independence")
 details["native_elements_differing_from_ordered"] = mismatch_native
 
+# barrier(poll=True) waits for the last rank without spinning: the early ranks use little CPU
+if rank == N - 1:
+    time.sleep(0.3)
+w0, c0 = time.perf_counter(), time.process_time()
+comm.barrier(poll=True)
+wait, cpu = time.perf_counter() - w0, time.process_time() - c0
+if rank < N - 1:
+    assert wait > 0.25, f"barrier(poll=True) returned after {wait:.3f} s, before the last rank arrived"
+    assert cpu < 0.05, f"barrier(poll=True) used {cpu:.3f} CPU-s in a {wait:.3f} s wait (spinning?)"
+done.append("barrier_poll")
+
 details["checks"] = done
 details["stats"] = comm.stats()
 if rank == 0:

@@ -6,7 +6,8 @@
    agree on their findings (format.raise_agreed), so either all continue or all raise
    CheckpointError, naming the rank and the file;
 3. every rank reads only the element ranges it owns now (engine.needed_pieces() via
-   fetch), from the rank files that hold them, and engine.import_state installs them.
+   fetch), from the rank files that hold them, straight into the engine's host buffers
+   (engine.import_state says where), then the working parameters are all-gathered.
 
 RNG: at the saved world size each rank restores its own torch/numpy/python RNG states.
 At another world size there is no meaningful mapping of old ranks to new ones, so every
@@ -15,6 +16,7 @@ rank reseeds deterministically with seed = config.seed + 1000003 * (global_steps
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 
@@ -72,6 +74,15 @@ def _check(engine, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, l
     return manifest, errors
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """numpy view of a contiguous host fp32 tensor, built from its address: t.numpy()
+    refuses tensors that require grad and marks the storage non-resizable for good."""
+    n = t.numel()
+    if n == 0:
+        return np.empty(0, np.float32)
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data_ptr()))
+
+
 def _restore_rng(rng: dict) -> None:
     torch.set_rng_state(torch.from_numpy(np.array(rng["torch"], dtype=np.uint8)))
     n = rng["numpy"]
@@ -89,6 +100,10 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
     if ckpt is None:
         return None
     manifest, errors = _check(engine, ckpt, text, verify)
+    # The checksum shares finish at different times (rank 0 also hashes index.h5): wait
+    # sleeping, since ranks spinning in the agreement's allgather would take the cores
+    # of those still hashing when ranks outnumber cores.
+    comm.barrier(poll=True)
     fmt.raise_agreed(comm, errors, _CONTEXT)
 
     same_world = (manifest["world_size"] == comm.size
@@ -105,8 +120,11 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
             errors.append(str(e))
         fmt.raise_agreed(comm, errors, _CONTEXT)
 
-        def fetch(kind: str, name: str, lo: int, hi: int) -> torch.Tensor:
-            return torch.from_numpy(reader.read(kind, name, lo, hi))
+        def fetch(kind: str, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+            if out is None:
+                return torch.from_numpy(reader.read(kind, name, lo, hi))
+            reader.read(kind, name, lo, hi, out=_host_array(out))  # HDF5 reads into the engine's buffer
+            return out
 
         engine.import_state(fetch, meta["steps"], meta["param_groups"], meta["scaler"], meta["counters"])
         with torch.no_grad():

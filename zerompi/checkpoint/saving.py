@@ -136,6 +136,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
             os.unlink(path)  # give the space back at once
         except OSError:
             pass
+    comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
     if runtime.agree(comm, err):
         # Nobody raises before rank 0 has removed the temporary directory: an uncaught
         # error on another rank aborts the job, which would kill rank 0 mid-cleanup and
@@ -169,5 +170,6 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
                 dirs.rotate(directory, keep_last, tag, background=True)
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
+    comm.barrier(poll=True)  # rank 0 writes index.h5 and the manifest alone meanwhile
     fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's publish outcome
     return target

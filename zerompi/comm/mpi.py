@@ -258,9 +258,19 @@ class MPICommunicator:
                 self.comm.Allreduce(MPIIN(), self._buf(buf, "scalars"), op=_mpi().SUM)
             self._stats.add_time("all_reduce", time.perf_counter() - t0)
 
-    def barrier(self) -> None:
+    def barrier(self, poll: bool = False) -> None:
+        """poll=True: MPI_Ibarrier tested between growing sleeps (at most 1 ms) instead
+        of MPI_Barrier, in which MPICH spins: a rank that arrives early then leaves its
+        core to the ranks still working (4 ranks on 2 cores after an uneven checkpoint
+        read, say). For waits of unequal work, not for the step's synchronisation."""
         with waiting("barrier"):
-            self.comm.Barrier()
+            if not poll or self.size == 1:
+                self.comm.Barrier()
+                return
+            req, pause = self.comm.Ibarrier(), 1e-5
+            while not req.Test():
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
 
     def split(self, color: int, key: int | None = None) -> "MPICommunicator":
         with waiting("split"):

@@ -290,8 +290,8 @@ class NCCLCommunicator:
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]:
         return self.mpi.allreduce_scalars(values, op)
 
-    def barrier(self) -> None:
-        self.mpi.barrier()
+    def barrier(self, poll: bool = False) -> None:
+        self.mpi.barrier(poll)
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.mpi.bcast_object(obj, root)
