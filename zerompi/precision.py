@@ -19,6 +19,11 @@ from .runtime import JobError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def reduce_dtype_of(precision: str, reduce_dtype: str) -> torch.dtype:
+    """The gradient reduction's dtype (zero.reduce_dtype): fp32, or the parameters' own."""
+    return torch.float32 if reduce_dtype == "fp32" else DTYPES[precision]
+
+
 class Diverged(JobError, FloatingPointError):
     """Training stopped on every rank together: gradients stayed non-finite (or the fp16
     loss scale collapsed). Raised at the same step on every rank (the decision comes

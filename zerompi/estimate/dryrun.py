@@ -24,7 +24,7 @@ import torch
 
 from ..config import ZeroConfig
 from ..device import Placement
-from ..precision import DTYPES
+from ..precision import DTYPES, reduce_dtype_of
 from ..zero.engine import PARTS, auto_elem_bytes, bucket_policy
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
@@ -157,7 +157,7 @@ def real_elements(built: Built, rank: int) -> int:
 # ------------------------------------------------------------------ collectives per step
 def reduce_bytes(zcfg: ZeroConfig, precision: str) -> int:
     """Bytes per element of the gradient reduction (engine: GradReducer's reduce_dtype)."""
-    return 4 if zcfg.reduce_dtype == "fp32" else DTYPES[precision].itemsize
+    return reduce_dtype_of(precision, zcfg.reduce_dtype).itemsize
 
 
 def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas: int = 1) -> list[dict]:

@@ -30,7 +30,7 @@ from ..config import ZeroConfig
 from ..device import Placement
 from ..optim import ShardedAdamW, build_groups, build_segments
 from ..parallel import activations
-from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler
+from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
 from . import flat, grads, load_full, state_io
 from . import units as units_mod
 from .params import ReplicatedParams, sync_untracked
@@ -64,9 +64,8 @@ def auto_elem_bytes(precision: str, reduce_dtype: str, stage: int) -> int:
     and every chunk of either collective reaches the latency target; stage 0 only
     all-reduces gradients (in the reduce dtype). The engine, the dry run and the
     estimator all resolve "auto" through this one function."""
-    param = DTYPES[precision].itemsize
-    reduce = 4 if reduce_dtype == "fp32" else param
-    return reduce if stage == 0 else min(param, reduce)
+    reduce = reduce_dtype_of(precision, reduce_dtype).itemsize
+    return reduce if stage == 0 else min(DTYPES[precision].itemsize, reduce)
 
 
 def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int) -> tuple[int, bool]:
@@ -181,9 +180,8 @@ class ZeroEngine:
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
-        reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.dtype
         self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
-                                         cfg.bucket_count, reduce_dtype)
+                                         cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype))
         self.reducer.poll = self.param_store.serve
         if self.param_store.serve is not None and dims.tp.size > 1 and hasattr(dims.tp, "idle"):
             # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may

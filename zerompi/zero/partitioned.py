@@ -282,7 +282,7 @@ class PartitionedParams:
             u.pending -= 1
             if u.pending == 0:
                 self._release(u)
-                self._trim.released(u.size * 4)  # ~ the unit's gradients and activations
+                self._trim.released(u.size * u.full.element_size())  # ~ its gradients' bytes
         return hook
 
     # ------------------------------------------------------------------ errors
