@@ -48,18 +48,15 @@ def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = No
     """`mpiexec -n N python -m mpi4py ARGV`; kills the process group on timeout.
 
     MPICH leaves its shared-memory segment in /dev/shm when a job is aborted (several of
-    our tests abort on purpose); the segments a failed launch created are removed, so
-    repeated runs on one machine do not fill /dev/shm. pytest runs one launch at a time,
-    so whatever appeared during a launch is that launch's."""
+    our tests abort on purpose); the segments that appeared during the launch and that no
+    live process maps any more are removed, so repeated runs on one machine do not fill
+    /dev/shm, while another job's segments (a second test run beside this one) stay."""
     before = _shm_segments()
     try:
         return _run_mpi(n, argv, timeout, env, module, check)
     finally:
-        for name in _shm_segments() - before:
-            try:
-                (SHM / name).unlink()
-            except OSError:
-                pass
+        from zerompi.rundir import clean_dead_shm
+        clean_dead_shm(str(SHM), min_age_s=0.0, only=_shm_segments() - before)
 
 
 def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,

@@ -162,10 +162,13 @@ class RunLock:
             self.path.unlink(missing_ok=True)
 
 
-def clean_dead_shm(folder: str = "/dev/shm", prefix: str = "mpich_shm_", min_age_s: float = 60.0) -> list[str]:
-    """Remove this user's MPICH segments that no live process maps; returns their names."""
+def clean_dead_shm(folder: str = "/dev/shm", prefix: str = "mpich_shm_", min_age_s: float = 60.0,
+                   only: set[str] | None = None) -> list[str]:
+    """Remove this user's MPICH segments that no live process maps; returns their names.
+    `only`: consider just these segment names (a launcher's own, say)."""
     try:
-        entries = [e for e in os.scandir(folder) if e.name.startswith(prefix)]
+        entries = [e for e in os.scandir(folder) if e.name.startswith(prefix)
+                   and (only is None or e.name in only)]
     except OSError:
         return []
     uid, now = os.getuid(), time.time()
