@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="zerompi",
-    version="0.1.0",
+    version=open("zerompi/version.py").read().split('"')[-2],
     description="ZeRO (Zero Redundancy Optimizer) over MPI and NCCL for PyTorch",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",

@@ -45,7 +45,7 @@ def worker(a) -> None:
 
     import zerompi
     from zerompi.models.gpt import GPT, GPTConfig
-    from zerompi.models.parallelize import parallelize
+    from zerompi.parallel.parallelize import parallelize
     from zerompi.parallel import ParallelDims
 
     torch.set_num_threads(1)

@@ -55,7 +55,7 @@ from pathlib import Path
 from bench_env import RANK_ENV, ROOT
 
 from calibrate_workers import worker
-from zerompi.estimate import comm_model as cm
+from zerompi.comm import cost_model as cm
 
 TOL = 0.30
 

@@ -6,7 +6,7 @@
 Runs `mpiexec -n N` of this file's per-rank worker once per side: "pool" (this checkout),
 "no_pool" (the same code with zero/gather_pool.available() forced False, so every
 gather allocates its unit and every release frees it, as before the pool) and "no_trim"
-(the same code with device.HeapTrimmer disabled: backward's freed heap memory stays
+(the same code with runtime.malloc.HeapTrimmer disabled: backward's freed heap memory stays
 resident until reused). Step wall times are recorded too (rank 0, per step). Same model,
 data and glibc defaults on both sides: no ZEROMPI_MALLOC, GLIBC_TUNABLES or MALLOC_*
 variables reach the ranks (they are removed from the environment).
@@ -116,18 +116,18 @@ def worker(args) -> None:
     from zerompi import runtime
     trim_s = [0.0]  # time inside malloc_trim (the trimming's own cost; its page faults: minflt)
     if args.side == "no_trim":
-        from zerompi.device import HeapTrimmer
+        from zerompi.runtime.malloc import HeapTrimmer
         HeapTrimmer.released = lambda self, nbytes: None
     else:
         if os.environ.get("TRIM_EVERY_MIB"):  # experiment: trim less often
-            from zerompi.device import HeapTrimmer
+            from zerompi.runtime.malloc import HeapTrimmer
             HeapTrimmer.EVERY = int(os.environ["TRIM_EVERY_MIB"]) << 20
 
-        def timed(f=runtime.release_free_memory):
+        def timed(f=runtime.malloc.release_free_memory):
             t = time.perf_counter()
             f()
             trim_s[0] += time.perf_counter() - t
-        runtime.release_free_memory = timed
+        runtime.malloc.release_free_memory = timed
     cfg = {"stage": 3, "precision": "fp32",
            "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
     if args.activation_checkpointing:  # ZeRO-R: block checkpoints in the contiguous arena

@@ -55,7 +55,7 @@ def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = No
     try:
         return _run_mpi(n, argv, timeout, env, module, check)
     finally:
-        from zerompi.rundir import clean_dead_shm
+        from zerompi.runtime.rundir import clean_dead_shm
         clean_dead_shm(str(SHM), min_age_s=0.0, only=_shm_segments() - before)
 
 

@@ -12,7 +12,7 @@ import pytest
 import zerompi
 from mpirun import run_worker
 from zerompi.config import ConfigError, load
-from zerompi.ds_config import translate
+from zerompi.config.deepspeed import translate
 
 VARIANTS = ("plain", "pa", "pa_cpu", "pa_cpu_contig", "contig")
 # tiny GPT: micro-batch of rows / gas / dp rows x seq 16 x n_embd 64, fp32, 2 blocks
@@ -33,7 +33,7 @@ def test_config_validates_and_loads_from_toml_and_overrides():
     with pytest.raises(ConfigError) as e:
         load({"activation_checkpointing": {"partition_activation": True, "enabled": True}})
     assert e.value.key == "activation_checkpointing.partition_activation"
-    from zerompi.train_config import TrainConfig
+    from zerompi.config.train import TrainConfig
 
     tc = load({"zero": {"activation_checkpointing": {"enabled": True}}}, ["zero.activation_checkpointing.partition=1"],
               cls=TrainConfig)

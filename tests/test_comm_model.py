@@ -7,17 +7,17 @@ import random
 
 import pytest
 
-from zerompi.estimate.comm_model import (
+from zerompi.comm.cost_model import (
     OPS,
     PRESETS,
     Link,
-    AUTO_CEILING_BYTES, AUTO_FLOOR, auto_bucket_elements,
     collective_time,
     fit,
     latency_share,
     resolve_link,
     step_comm_time,
 )
+from zerompi.zero.buckets import AUTO_CEILING_BYTES, AUTO_FLOOR, auto_bucket_elements
 
 L = Link("test", alpha=2e-6, beta=1e-9)
 KiB = 1024

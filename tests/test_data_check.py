@@ -9,7 +9,7 @@ import torch
 
 from mpirun import run_mpi
 from zerompi.data import write_tokens
-from zerompi import data_check as dc
+from zerompi.data import check as dc
 
 
 def test_formats_are_detected_and_read(tmp_path):

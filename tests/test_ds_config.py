@@ -10,7 +10,7 @@ import torch
 import zerompi
 from mpirun import run_mpi
 from zerompi.config import ConfigError
-from zerompi.ds_config import DeepSpeedConfigWarning, translate
+from zerompi.config.deepspeed import DeepSpeedConfigWarning, translate
 
 DS = {
     "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,

@@ -216,7 +216,7 @@ def test_dry_run_equals_the_engine_at_n1():
         assert c["engine_policy_calls"][0][2] == {
             "elem_bytes": 4 if c["precision"] == "fp32" or c["stage"] == 0 else 2}, tag
     # ... which, at large N, is the dry run's "auto" bucket for a bf16 config
-    from zerompi.zero.engine import bucket_policy
+    from zerompi.zero.buckets import bucket_policy
     kw = next(c["engine_policy_calls"][0][2] for c in cases if c["precision"] == "bf16" and c["stage"] > 0)
     runner = DryRun(models.from_preset("tiny"), ZeroConfig(precision="bf16"))
     for n in (8, 64, 4096):
@@ -264,7 +264,7 @@ def test_cli_dry_run_auto_chunks(precision):
     and stage 0's all-reduce in fp32, the reduce dtype; all-gather in the param dtype),
     stages 0-3. "auto" sizes the bucket for the narrowest of them: 2 bytes in bf16 (2^29
     elements, the 1 GiB byte ceiling), 4 in fp32 (2^28)."""
-    from zerompi.zero.engine import auto_elem_bytes, bucket_policy
+    from zerompi.zero.buckets import auto_elem_bytes, bucket_policy
 
     p = cli("--model", "gpt-7.5b", "--dry-run", "--dp", "4096", "--precision", precision, "--json")
     assert p.returncode == 0, p.stderr

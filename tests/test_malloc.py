@@ -8,7 +8,7 @@ import pytest
 
 PROBE = r'''
 import os
-from zerompi import runtime
+from zerompi.runtime import malloc as runtime
 runtime.fix_mmap_threshold()
 import torch
 def rss():
@@ -40,7 +40,8 @@ TRIM_PROBE = r'''
 import os, sys
 import torch
 from zerompi import runtime
-from zerompi.device import HeapTrimmer, Placement
+from zerompi.device import Placement
+from zerompi.runtime.malloc import HeapTrimmer
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 a = torch.ones(4 << 20); del a            # 16 MiB, mmapped and freed: glibc raises its threshold
@@ -61,7 +62,7 @@ print(kept >> 20, half >> 20, (rss() - base) >> 20)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
 def test_heap_trimmer_returns_freed_transients_every_n_bytes():
-    """device.HeapTrimmer (stage 3 calls it as units finish backward): freed heap blocks
+    """runtime.malloc.HeapTrimmer (stage 3 calls it as units finish backward): freed heap blocks
     that glibc keeps resident go back to the OS once `every` bytes were released."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "ZEROMPI_MALLOC"}
     p = subprocess.run([sys.executable, "-c", TRIM_PROBE, "cpu"], env=env, capture_output=True,
@@ -73,11 +74,12 @@ def test_heap_trimmer_returns_freed_transients_every_n_bytes():
 
 
 def test_heap_trimmer_is_off_for_gpu_placements(monkeypatch):
-    from zerompi import runtime
-    from zerompi.device import HeapTrimmer, Placement
+    from zerompi.device import Placement
+    from zerompi.runtime import malloc
+    from zerompi.runtime.malloc import HeapTrimmer
 
     calls = []
-    monkeypatch.setattr(runtime, "release_free_memory", lambda: calls.append(1))
+    monkeypatch.setattr(malloc, "release_free_memory", lambda: calls.append(1))
     gpu = HeapTrimmer(Placement.of("cuda:0"), every=1)
     gpu.released(1 << 30)
     host = HeapTrimmer(Placement.of("cpu"), every=10)

@@ -219,7 +219,7 @@ def test_dead_jobs_shared_memory_is_removed_at_start(corpus, tmp_path):
     alone (checked in a private folder: other jobs on this machine clean /dev/shm too)."""
     import mmap
 
-    from zerompi.rundir import clean_dead_shm
+    from zerompi.runtime.rundir import clean_dead_shm
 
     old = time.time() - 600
     for name in ("mpich_shm_dead_0", "mpich_shm_live_0", "mpich_shm_new_0", "other_0"):
@@ -255,7 +255,7 @@ def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
     import socket
 
     from zerompi.checkpoint.directory import OWNER, cleanup
-    from zerompi.rundir import _start_time
+    from zerompi.runtime.rundir import _start_time
 
     live = subprocess.Popen(["sleep", "60"])
     dead = subprocess.Popen(["true"])
@@ -316,7 +316,7 @@ def test_inspect_verifies_by_default(base_run, tmp_path):
 def test_a_zombie_owner_counts_as_gone():
     """A killed rank whose parent is gone may stay a zombie (an init that does not reap, as
     in some containers): its locks and temporary directories belong to nobody."""
-    from zerompi.rundir import _start_time
+    from zerompi.runtime.rundir import _start_time
 
     z = subprocess.Popen(["true"])  # exits at once; unreaped until wait(): a zombie
     try:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mpirun import run_worker
 from zerompi.models.gpt import GPT, PRESETS, GPTConfig
-from zerompi.models.parallelize import parallelize
+from zerompi.parallel.parallelize import parallelize
 from zerompi.parallel import tp_layout
 from zerompi.parallel.tensor_parallel import padded_vocab_size, vocab_parallel_cross_entropy
 

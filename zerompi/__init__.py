@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from . import runtime
 from .config import ZeroConfig, load as load_config
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # An exception on any rank must end the whole MPI job (see runtime.py). The hook only
 # calls MPI_Abort when MPI is already initialised, so importing zerompi stays cheap.

@@ -23,6 +23,7 @@ from functools import lru_cache
 import torch
 
 from . import runtime
+from .runtime import watchdog
 
 
 @dataclass(frozen=True)
@@ -58,34 +59,6 @@ class Placement:
         return "host (pinned)" if self.pinned else ("host" if self.device.type == "cpu" else str(self.device))
 
 
-class HeapTrimmer:
-    """Gives freed heap memory back to the OS once every `every` bytes of released
-    transients (glibc malloc_trim; host placements only).
-
-    Why: in backward every stage-3 unit leaves gradients, recomputed activations and
-    MPI temporaries of its size in the heap (glibc's dynamic mmap threshold puts blocks
-    up to 32 MiB there); freed, they stay resident until reused, so the heap's high-water
-    mark, not the live bytes, sets peak RSS. Trimming as units finish keeps only what the
-    next unit touches. Measured (135M GPT, stage 3, N = 4, fp32, ZeRO-R checkpoints, "vm",
-    benchmarks/results/stage3_rss_trim.json): peak RSS per rank 1056-1123 -> 1051-1063 MiB;
-    cost per step ~0.1 s in malloc_trim plus ~90k page faults on reuse (~2-3% of a 10 s
-    step). A GPU run's transients live in torch's caching allocator: no-op there."""
-
-    EVERY = 32 << 20
-
-    def __init__(self, placement: "Placement", every: int | None = None):
-        self.on = placement.device.type == "cpu"
-        self.every, self.pending = every or self.EVERY, 0
-
-    def released(self, nbytes: int) -> None:
-        if not self.on:
-            return
-        self.pending += nbytes
-        if self.pending >= self.every:
-            self.pending = 0
-            runtime.release_free_memory()
-
-
 def _loaded_mpi_libraries() -> list[str]:
     """Paths of MPI shared libraries mapped into this process."""
     try:
@@ -118,10 +91,21 @@ def cuda_aware_mpi() -> bool:
 def bind(comm) -> torch.device:
     """This rank's compute device: cuda:(local rank mod GPUs) when GPUs exist, else cpu.
     `comm` is an mpi4py communicator spanning the job."""
-    local, _ = runtime.local_rank(comm)
+    local, _ = local_rank(comm)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0:
         return torch.device("cpu")
     dev = torch.device("cuda", local % n)
     torch.cuda.set_device(dev)
     return dev
+
+
+def local_rank(comm) -> tuple[int, int]:
+    """(node-local rank, ranks on this node) from an MPI shared-memory split."""
+    MPI = runtime.mpi()
+    with watchdog.waiting("split_type"):
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()

@@ -17,7 +17,7 @@ of it, and torch.save reads them through the page cache. Resident memory is then
 file-backed pages the kernel can drop, not a second copy of the model; the cost is
 writing the data twice (for --format torch a temporary safetensors file is removed
 afterwards). Verification (sizes, sha256) runs first unless --no-verify. Every output
-file is written atomically (zerompi.fileio): an interrupted export never leaves a
+file is written atomically (zerompi.runtime.fileio): an interrupted export never leaves a
 half-written model file under its final name.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .checkpoint import verify as ver
 from .checkpoint.directory import resolve
 from .checkpoint.format import CheckpointError
 from .checkpoint.reader import PieceReader
-from .fileio import atomic_file, atomic_write
+from .runtime.fileio import atomic_file, atomic_write
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}

@@ -47,12 +47,15 @@ import torch
 
 import zerompi
 
-from . import comm, rundir, runtime, train_config, watchdog
+from . import comm, runtime
+from .config import train as train_config
+from .runtime import rundir, watchdog
 from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
 from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, split_tokens
-from .data_check import CheckedSampler, open_agreed
-from .fileio import atomic_write
+from .device import local_rank as node_local_rank
+from .data.check import CheckedSampler, open_agreed
+from .runtime.fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
@@ -121,7 +124,7 @@ def _agreed_config(argv: list[str]):
         if world.size % tp:
             raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({world.size})")
         if tp > 1:
-            from .models.parallelize import check_tp
+            from .parallel.parallelize import check_tp
 
             try:
                 check_tp(cfg.model.gpt_config(), tp)
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     # ---------------------------------------------------------------- process grid
-    local_rank, local_ranks = runtime.local_rank(runtime.init())
+    local_rank, local_ranks = node_local_rank(runtime.init())
     device = torch.device("cpu")
     if cfg.device == "cuda":  # visible on every rank: checked with the config
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(gpt_cfg)
     n_params, n_total = model.num_params(non_embedding=True), model.num_params()  # before any tp split
     if dims.tp_size > 1:
-        from .models.parallelize import parallelize
+        from .parallel.parallelize import parallelize
 
         model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
     model.to(device)

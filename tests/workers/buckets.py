@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-import zerompi.zero.engine
+import zerompi.zero.buckets
 from common import global_batch, make_model, micro_slices, vocab_of
 
 ap = argparse.ArgumentParser()
@@ -25,7 +25,7 @@ for stage in [int(s) for s in a.stages.split(",")]:
     for spec in a.buckets.split(","):
         bucket, at_least = int(spec.rstrip("+")), spec.endswith("+")
         # the engine's policy, forced: blocks >= the bucket (FlatLayout at_least)
-        zerompi.zero.engine.bucket_policy = lambda b, w, _p=(bucket, at_least), **_: _p
+        zerompi.zero.buckets.bucket_policy = lambda b, w, _p=(bucket, at_least), **_: _p
         model = make_model("odd")
         eng = zerompi.initialize(model, {"stage": stage, "precision": a.precision, "bucket_size": bucket,
                                          "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,

@@ -52,7 +52,7 @@ if launched_env is not None:
     os.environ[VAR] = launched_env
 device.cuda_aware_mpi.cache_clear()
 
-local, per_node = runtime.local_rank(w)
+local, per_node = device.local_rank(w)
 info = {"rank": w.rank, "local": local, "per_node": per_node, "device": str(device.bind(w)),
         "libs": device._loaded_mpi_libraries(), "as_launched": as_launched, "detected": detected,
         "queried": query()}

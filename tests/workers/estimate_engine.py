@@ -6,8 +6,7 @@ import sys
 import torch
 
 import zerompi
-import zerompi.estimate.dryrun
-import zerompi.zero.engine
+import zerompi.zero.buckets
 from zerompi.estimate.activations import comm_buffer_bytes, working_bytes
 from zerompi.estimate.dryrun import DryRun, collectives, rank_state
 from zerompi.estimate.models import from_preset
@@ -22,12 +21,13 @@ out = []
 CASES = [(s, p, g, None) for s in (0, 1, 2, 3)
          for p, g in (("fp32", "param"), ("bf16", "param"), ("bf16", "fp32"))]
 CASES += [(2, "bf16", "param", (60_000, True)), (3, "bf16", "param", (60_000, True))]
-real_policy = zerompi.zero.engine.bucket_policy
+real_policy = zerompi.zero.buckets.bucket_policy
 
 
 def recording(calls, forced):
-    """bucket_policy as the engine or the dry run calls it, its arguments kept (the
-    element size "auto" is sized for must come from the run's precision in both)."""
+    """bucket_policy as the engine or the dry run calls it (both through zero/layout.py),
+    its arguments kept (the element size "auto" is sized for must come from the run's
+    precision in both)."""
     def policy(b, w, **kw):
         calls.append([b, w, kw])
         return real_policy(b, w, **kw) if forced is None else forced
@@ -36,8 +36,7 @@ def recording(calls, forced):
 
 for stage, precision, gdt, forced in CASES:
     engine_calls, estimate_calls = [], []
-    zerompi.zero.engine.bucket_policy = recording(engine_calls, forced)
-    zerompi.estimate.dryrun.bucket_policy = recording(estimate_calls, forced)
+    zerompi.zero.buckets.bucket_policy = recording(engine_calls, forced)
     gas = 2
     cfg = zerompi.load_config({"stage": stage, "precision": precision, "grad_accum_dtype": gdt,
                                "bucket_size": 4096, "gradient_accumulation_steps": gas})
@@ -52,6 +51,7 @@ for stage, precision, gdt, forced in CASES:
             eng.step()
     rep = eng.memory_report()
     comm = {op: [v["calls"], v["elements"], v["bytes"]] for op, v in eng.comm_stats().items()}
+    zerompi.zero.buckets.bucket_policy = recording(estimate_calls, forced)
     runner = DryRun(spec, cfg)
     built = runner.build(1, stage)
     est = rank_state(built, stage, 0, precision, gdt)

@@ -18,7 +18,7 @@ import time
 import torch
 
 import zerompi
-from zerompi import watchdog
+from zerompi.runtime import watchdog
 from mpi4py import MPI
 
 mode, stage = sys.argv[1], int(sys.argv[2])

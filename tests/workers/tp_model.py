@@ -10,7 +10,7 @@ import json
 import torch
 
 from zerompi.models.gpt import GPT, PRESETS, GPTConfig
-from zerompi.models.parallelize import parallelize
+from zerompi.parallel.parallelize import parallelize
 from zerompi.parallel import tp_layout
 from zerompi.parallel.dims import ParallelDims
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 import zerompi
 from common import global_batch, micro_slices, reference_run
 from zerompi.models.gpt import GPT, GPTConfig
-from zerompi.models.parallelize import parallelize
+from zerompi.parallel.parallelize import parallelize
 from zerompi.parallel import ParallelDims
 from zerompi.zero.tensor_parallel_state import assemble_full
 

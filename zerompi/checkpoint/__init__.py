@@ -24,7 +24,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     DIR/latest at it; returns the checkpoint path. client_state must be JSON-serialisable
     (TypeError naming the key otherwise). keep_last=K keeps the K newest checkpoints in
     DIR and deletes older ones (never the one just written); None keeps everything."""
-    from ..watchdog import generous
+    from ..runtime.watchdog import generous
     from .saving import save as _save
 
     with generous("checkpoint save"):  # ranks wait for the slowest writer
@@ -36,7 +36,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
     on all ranks together, whatever world size and stage it was saved with. Returns its
     client_state, or None when DIR holds no checkpoint. Raises CheckpointError, on every
     rank, for a missing, incomplete, corrupt or mismatched checkpoint."""
-    from ..watchdog import generous
+    from ..runtime.watchdog import generous
     from .loading import load as _load
 
     with generous("checkpoint load"):  # ranks wait for the slowest hasher

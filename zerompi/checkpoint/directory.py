@@ -10,7 +10,7 @@ DIR/
 
 Crash safety comes from ordering: a checkpoint directory only ever appears under its
 tag by rename(2) after every file in it is fsynced, and `latest` is replaced atomically
-after that (zerompi.fileio.atomic_write: temporary .latest.*.tmp, fsync, rename, fsync
+after that (zerompi.runtime.fileio.atomic_write: temporary .latest.*.tmp, fsync, rename, fsync
 of DIR). Saving over an existing TAG needs two renames (TAG -> .old-TAG-X, then the
 new one -> TAG); between them `latest` may name a TAG that is absent, so lookup falls
 back to the newest complete .old-TAG-* (the previous checkpoint, intact).
@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 
-from ..fileio import atomic_write, fsync_path
+from ..runtime.fileio import atomic_write, fsync_path
 from . import format as fmt
 from .format import CheckpointError
 
@@ -62,7 +62,7 @@ def write_latest(directory: str, tag: str) -> None:
 def mark_owner(tmp: str) -> None:
     """Record who writes into a temporary checkpoint directory (host, pid, start time),
     so that another job's cleanup leaves it alone while this process lives."""
-    from ..rundir import _me
+    from ..runtime.rundir import _me
 
     with open(os.path.join(tmp, OWNER), "w") as f:
         json.dump(_me(), f)
@@ -72,7 +72,7 @@ def _owner_gone(path: str) -> bool:
     """True when the process that made a temporary directory is gone: dead on this host,
     silent for OTHER_HOST_S on another, or unknown (a crash left it before marking, or a
     publish/rotation step that never marks)."""
-    from ..rundir import _me, _start_time
+    from ..runtime.rundir import _me, _start_time
 
     try:
         with open(os.path.join(path, OWNER)) as f:
@@ -103,7 +103,7 @@ def _latest_tmp_gone(entry: str, path: str) -> bool:
     """write_latest's temporary (.latest.HOST-PID.XXXX.tmp, fileio.atomic_file) lives
     milliseconds unless its writer crashed: gone when that pid is dead on this host, or
     (another host, or an older name without the owner) when it is older than 10 min."""
-    from ..rundir import _me, _start_time
+    from ..runtime.rundir import _me, _start_time
 
     m = re.match(rf"^\.{fmt.LATEST}\.(.+)-(\d+)\.[^.]+\.tmp$", entry)
     if m and m.group(1) == _me()["host"] and _start_time(int(m.group(2))) is None:

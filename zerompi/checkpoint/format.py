@@ -2,7 +2,7 @@
 
 No torch here: `python -m zerompi.inspect` and the verifier import only h5py/numpy, so
 they start fast and run on machines without the training stack. Durable writes and
-fsync come from zerompi.fileio, agreeing on errors from zerompi.runtime.
+fsync come from zerompi.runtime.fileio, agreeing on errors from zerompi.runtime.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import runtime
-from ..fileio import fsync_path
+from ..runtime.fileio import fsync_path
 
 FORMAT = "zerompi-checkpoint"
 # Version 2: the manifest's "files" and "index" entries carry "digest" (CRC-32 per 64 MiB

@@ -8,7 +8,7 @@
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
 5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
-   to DIR/TAG, rewrites DIR/latest (zerompi.fileio.atomic_write), cleans up crashed
+   to DIR/TAG, rewrites DIR/latest (zerompi.runtime.fileio.atomic_write), cleans up crashed
    saves and applies keep_last; the ranks agree on its outcome, so all of them return
    or raise together.
 
@@ -31,7 +31,7 @@ import h5py
 import torch
 
 from .. import runtime
-from ..fileio import atomic_write
+from ..runtime.fileio import atomic_write
 from . import directory as dirs
 from . import format as fmt
 from .index import write_index
@@ -42,7 +42,7 @@ _PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp: str | None) -> dict:
-    from .. import __version__
+    from ..version import __version__
     from ..config import to_dict
 
     tensors = {name: {"shape": list(shape), "link": fmt.link_name(name), "pieces": []}

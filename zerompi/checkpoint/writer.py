@@ -265,11 +265,9 @@ def _stream(path: str, plan: list[tuple], names: list[str]) -> tuple[str, int]:
 
 def rank_file_bytes(engine, lowp: str | None) -> int:
     """About how many bytes this rank's file takes (for out-of-space messages)."""
-    from ..zero.state_io import STATE_KINDS, _exporting_segments
-
-    elements = sum(s.length for s in _exporting_segments(engine))
+    elements = engine.exported_elements()
     extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(engine)) if engine.dims.world.rank == 0 else 0
-    return elements * (4 * len(STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
+    return elements * (4 * len(engine.STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
 
 
 def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from ..watchdog import waiting
+from ..runtime.watchdog import waiting
 
 
 class CommTimeout(RuntimeError):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..watchdog import waiting
+from ..runtime.watchdog import waiting
 from .base import CommStats, DoneHandle, Handle
 
 _OPS = ("sum", "max", "min", "lor")

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..watchdog import waiting
+from ..runtime.watchdog import waiting
 from .base import DoneHandle
 from .mpi import MPICommunicator, MPIIN, _arr, _reducible
 

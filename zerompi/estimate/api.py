@@ -6,7 +6,7 @@
     api.size("gpt-7.5b", dps=[1024], stages=[3], mem_per_rank=80 * 2**30, link="hdr-ib")
     api.dry_run("gpt-1t", dps=[4096])                    # the engine's real layout at N ranks
 
-`model` is a preset name (models.ALL_SHAPES), a zerompi.train_config TrainConfig, a
+`model` is a preset name (models.ALL_SHAPES), a zerompi.config.train TrainConfig, a
 TOML/JSON path of one, or a models.ModelSpec.
 """
 from __future__ import annotations
@@ -16,10 +16,11 @@ import resource
 import time
 from typing import Sequence
 
-from .. import train_config
+from ..config import train as train_config
 from ..config import ZeroConfig
-from ..zero.engine import auto_elem_bytes
-from . import comm_model, memory, models
+from ..zero.buckets import auto_elem_bytes, bucket_policy
+from ..comm import cost_model as comm_model
+from . import memory, models
 from .dryrun import DryRun, dry_run as _dry_run
 from .sizing import size_run
 
@@ -92,7 +93,7 @@ def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, buc
     if b == "auto":  # sized for the narrowest collective: the param dtype's all-gather in bf16/fp16
         b = (f"auto (grows with N, sized for {auto_elem_bytes(precision, zcfg.reduce_dtype, 1)}-byte "
              "elements, the narrowest collective's at stages 1-3 (stage 0: the reduce dtype's): "
-             "comm_model.auto_bucket_elements)")
+             "zero.buckets.auto_bucket_elements)")
     else:
         b = f"{b:,} elements"
     return (f"{_precision_label(precision, gdt)}; bucket_size {b}, bucket_count "
@@ -102,8 +103,7 @@ def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, buc
 def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link, stage: int) -> "int | str | tuple | None":
     if bucket != "auto" or link is None:
         return bucket  # None: the config's; "auto" without a link: the engine's own rule
-    b = comm_model.auto_bucket_elements(n, auto_elem_bytes(precision, zcfg.reduce_dtype, stage), link)
-    return b, b > comm_model.AUTO_FLOOR  # as zero.engine.bucket_policy: a floor above AUTO_FLOOR
+    return bucket_policy("auto", n, elem_bytes=auto_elem_bytes(precision, zcfg.reduce_dtype, stage), link=link)
 
 
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,

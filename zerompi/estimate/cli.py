@@ -17,7 +17,8 @@ import json
 import sys
 
 from ..config import ConfigError
-from . import api, comm_model, memory, report
+from ..comm import cost_model as comm_model
+from . import api, memory, report
 
 EXAMPLES = """examples:
   python -m zerompi.estimate --table1

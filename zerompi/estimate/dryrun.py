@@ -1,11 +1,10 @@
 """Dry run: the engine's own partition layout at N virtual ranks, without MPI, data or
 parameter memory.
 
-What runs is the project's code: the model is built on the `meta` device, the stage's
-parameter store plans the flat order and stage-3 units (`PARTS[stage].store.plan`, the
-engine's table), `zero.partition.FlatLayout` lays it out over N ranks, and a
-`zero.state.ShardState` on the `meta` placement is built for sampled ranks; its
-`memory_report()` is what `engine.memory_report()` returns on that rank.
+What runs is the engine's own builder (zero/layout.py): the model is built on the `meta`
+device, the stage's parameter store plans the flat order and stage-3 units, a FlatLayout
+lays it out over N ranks, and a ShardState on the `meta` placement is built for sampled
+ranks; its `memory_report()` is what `engine.memory_report()` returns on that rank.
 
 Nothing is done per rank for all N ranks except one numpy array of N padding counts:
 every block splits into N equal chunks (so every rank owns exactly T / N elements), and
@@ -15,21 +14,20 @@ rank's chunks then recounts it independently for a few ranks (named in the outpu
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from ..config import ZeroConfig
 from ..device import Placement
 from ..precision import DTYPES, reduce_dtype_of
-from ..zero.engine import PARTS, auto_elem_bytes, bucket_policy
+from ..zero import layout as zlayout
+from ..zero.layout import PARTS
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
-from ..zero.units import coalesce_target
-from ..zero.state import ShardState
 from .activations import comm_buffer_bytes
 from .memory import model_states
 from .models import ModelSpec, meta_model
@@ -55,9 +53,9 @@ class Built:
         return self._chunks[rank]
 
     def all_chunks(self) -> list[Chunk]:
-        """Stage 0's `own`: every block, shard index = flat index (as ZeroEngine builds it)."""
+        """Stage 0's `own`: every block, shard index = flat index (zero/layout.owned)."""
         if "all" not in self._chunks:
-            self._chunks["all"] = [Chunk(k, s, e, s) for k, (s, e) in enumerate(self.layout.blocks)]
+            self._chunks["all"] = zlayout.owned(self.layout, 0, 0)
         return self._chunks["all"]
 
 
@@ -83,19 +81,16 @@ class DryRun:
         override zero.precision, which sizes "auto")."""
         if n < 1:
             raise ValueError(f"N must be >= 1, got {n}")
-        store = PARTS[stage].store
-        # resolved exactly as the engine resolves it ("auto" grows with N)
-        eb = auto_elem_bytes(precision or self.zcfg.precision, self.zcfg.reduce_dtype, stage)
-        bucket, at_least = bucket if isinstance(bucket, tuple) else \
-            bucket_policy(self.zcfg.bucket_size if bucket is None else bucket, n, elem_bytes=eb)
-        key = (n, store, bucket, at_least)
+        cfg = self.zcfg if bucket is None or isinstance(bucket, tuple) else \
+            dataclasses.replace(self.zcfg, bucket_size=bucket)
+        # the engine's own builder (zero/layout.py): "auto" grows with N
+        bucket, at_least = bucket if isinstance(bucket, tuple) else zlayout.bucket(cfg, n, stage, precision)
+        key = (n, PARTS[stage].store, bucket, at_least)
         if key not in self._cache:
             t = time.perf_counter()
-            plan = store.plan(self.model, self.trainable, self.zcfg,  # as ZeroEngine.__init__
-                              coalesce_below=coalesce_target(self.zcfg.stage3, bucket, at_least))
+            plan = zlayout.plan(self.model, self.trainable, cfg, stage, bucket, at_least)
+            layout = zlayout.flat_layout(plan, n, cfg, bucket, at_least)
             numels = [p.numel() for _, p in plan.order]
-            layout = FlatLayout(numels, n, bucket, self.zcfg.alignment, units=plan.unit_sizes,
-                                at_least=at_least)
             built = Built(n, layout, plan, numels, time.perf_counter() - t, bucket)
             self._cache[key] = built
         return self._cache[key]
@@ -105,12 +100,8 @@ class DryRun:
 def rank_state(built: Built, stage: int, rank: int, precision: str, grad_accum_dtype: str) -> dict:
     """memory_report() of a ShardState for `rank`, built exactly as the engine builds it,
     on the meta placement (no memory)."""
-    parts, layout = PARTS[stage], built.layout
-    own = built.all_chunks() if parts.owns_all else built.chunks(rank)  # as ZeroEngine.__init__
-    dtype = DTYPES[precision]
-    gdt = torch.float32 if grad_accum_dtype == "fp32" else dtype
-    st = ShardState(layout, own, Placement.of("meta"), dtype, gdt,
-                    replicated=parts.store is PARTS[0].store, full_grads=parts.full_grads)
+    own = built.all_chunks() if PARTS[stage].owns_all else built.chunks(rank)
+    st = zlayout.shard_state(built.layout, own, Placement.of("meta"), stage, precision, grad_accum_dtype)
     rep = st.memory_report()
     rep["owned"] = st.owned
     return rep

@@ -199,7 +199,7 @@ def render_buckets(runs: list[dict]) -> str:
                      count(d["block"]), f"{d['buffers']:,} B ({gib(d['buffers'], unit)} {uname})", ", ".join(mins)])
     return "\n".join([table(header, body),
                       "bucket: zero.bucket_size resolved at N (\"auto\": sized so the narrowest collective's "
-                      "chunk reaches the latency target, comm_model.auto_bucket_elements);",
+                      "chunk reaches the latency target, zero.buckets.auto_bucket_elements);",
                       "buffers: the gradient reducer's (memory_report()['buffers']), bucket_count slots of "
                       "~2 largest blocks in the reduce dtype;",
                       "smallest chunk: bytes per rank in one collective, RS/AR in the reduce dtype, AG in "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..precision import DTYPES
-from . import comm_model
+from ..comm import cost_model as comm_model
 from .activations import STRATEGIES, activation_bytes, comm_buffer_bytes, largest_micro_batch, working_bytes
 from .dryrun import DryRun, collective_summary, collectives, reduce_bytes
 from .memory import model_states

@@ -24,23 +24,21 @@ backward runs, and stays gathered during the recomputation (partitioned.py).
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..models.blocks import repeated_blocks
 from .ckpt_store import Saved, Store, log_rank0
 
 
 def checkpoint_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the blocks to checkpoint: stage 3's "auto" unit roots."""
-    from ..zero.units import unit_roots
-
-    rule = types.SimpleNamespace(unit_classes="auto", unit_min_elements=0)
+    """(name, module) of the blocks to checkpoint: the model's repeated blocks, the
+    same rule as stage 3's "auto" units (models/blocks.py)."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    return [(n, modules[n]) for n in unit_roots(model, rule) if n]
+    return [(n, modules[n]) for n in repeated_blocks(model)]
 
 
 class _Call:

@@ -6,7 +6,7 @@
         engine.backward(loss)
         engine.step()                         # updates on every GAS-th call
 
-The engine composes four parts; the stage picks them in one place (PARTS below) and no
+The engine composes four parts; the stage picks them in one place (PARTS in layout.py) and no
 other code looks at the stage number:
   state      ShardState (state.py): every buffer of model state, on one Placement
   params     ReplicatedParams | PartitionedParams (params.py, partitioned.py)
@@ -18,70 +18,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 from .. import config as config_mod
-from .. import runtime, watchdog
+from .. import runtime
+from ..runtime import watchdog
 from ..config import ZeroConfig
 from ..device import Placement
 from ..optim import ShardedAdamW, build_groups, build_segments
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
 from . import flat, grads, load_full, state_io
-from . import units as units_mod
-from .params import ReplicatedParams, sync_untracked
-from .partitioned import PartitionedParams
-from .partition import Chunk, FlatLayout
+from . import layout as layout_mod
+from .layout import PARTS
+from .params import sync_untracked
 from .state import ShardState
 from .tensor_parallel_state import TPGrads, assemble_full
-
-
-@dataclass(frozen=True)
-class Parts:
-    store: type          # where working parameters live between uses
-    reduction: str       # how gradients reach the optimizer (grads.MODES)
-    owns_all: bool       # every rank holds and updates everything (plain data parallel)
-    full_grads: bool     # a full flat gradient buffer accumulates across micro-steps
-
-
-# The one place a stage number means something.
-PARTS = {
-    0: Parts(ReplicatedParams, grads.ALL_REDUCE, owns_all=True, full_grads=True),
-    1: Parts(ReplicatedParams, grads.SCATTER_AT_BOUNDARY, owns_all=False, full_grads=True),
-    2: Parts(ReplicatedParams, grads.SCATTER_PER_BUCKET, owns_all=False, full_grads=False),
-    3: Parts(PartitionedParams, grads.SCATTER_PER_BUCKET, owns_all=False, full_grads=False),
-}
-
-
-def auto_elem_bytes(precision: str, reduce_dtype: str, stage: int) -> int:
-    """Bytes per element of the narrowest collective that moves a bucket: at stages 1-3
-    its blocks are reduce-scattered in the reduce dtype and all-gathered in the param
-    dtype, so "auto" sizes for the smaller of the two (2 in bf16/fp16 runs, 4 in fp32)
-    and every chunk of either collective reaches the latency target; stage 0 only
-    all-reduces gradients (in the reduce dtype). The engine, the dry run and the
-    estimator all resolve "auto" through this one function."""
-    reduce = reduce_dtype_of(precision, reduce_dtype).itemsize
-    return reduce if stage == 0 else min(DTYPES[precision].itemsize, reduce)
-
-
-def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int) -> tuple[int, bool]:
-    """(bucket elements, at_least) for FlatLayout. The number's meaning decides which way
-    a span's balanced blocks round: an integer bucket_size, and "auto" at its 2^22 floor
-    (small N), are memory budgets - every block <= the bucket, so the reducer's buffers
-    stay as documented; "auto" above the floor is derived from the per-rank chunk that
-    keeps latency small (large N) - every block >= the bucket, so no chunk falls below
-    it (buffers grow by at most 1 / nb of a block). Results do not depend on it.
-    elem_bytes: auto_elem_bytes of the run (keyword-only, so no caller can leave it out)."""
-    if bucket_size != "auto":
-        return int(bucket_size), False
-    from ..estimate.comm_model import AUTO_FLOOR, auto_bucket_elements
-
-    b = auto_bucket_elements(world, elem_bytes=elem_bytes)
-    return b, b > AUTO_FLOOR
 
 
 def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -148,10 +103,8 @@ class ZeroEngine:
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
-        bucket, at_least = bucket_policy(cfg.bucket_size, self.world,
-                                         elem_bytes=auto_elem_bytes(cfg.precision, cfg.reduce_dtype, cfg.stage))
-        plan = parts.store.plan(model, trainable, cfg,
-                                coalesce_below=units_mod.coalesce_target(cfg.stage3, bucket, at_least))
+        bucket, at_least = layout_mod.bucket(cfg, self.world, cfg.stage)
+        plan = layout_mod.plan(model, trainable, cfg, cfg.stage, bucket, at_least)
         self.param_names = [n for n, _ in plan.order]
         self.params = [p for _, p in plan.order]
         groups, owner = build_groups(model, cfg.optimizer, param_groups)
@@ -161,14 +114,10 @@ class ZeroEngine:
         # sync: one pickled allgather at set-up, so diverging ranks fail here, named
         runtime.check_same_everywhere(dims.world, config_mod.to_dict(cfg),
                                       [(n, tuple(p.shape)) for n, p in plan.order])
-        self.layout = layout = FlatLayout([p.numel() for p in self.params], self.world, bucket,
-                                          cfg.alignment, units=plan.unit_sizes, at_least=at_least)
-        own = ([Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)] if parts.owns_all
-               else layout.chunks(self.rank))
-        grad_dtype = torch.float32 if cfg.grad_accum_dtype == "fp32" else self.dtype
-        self.state = ShardState(layout, own, placement, self.dtype, grad_dtype,
-                                replicated=parts.store is ReplicatedParams, full_grads=parts.full_grads,
-                                offload=cfg.offload_optimizer == "cpu")
+        self.layout = layout = layout_mod.flat_layout(plan, self.world, cfg, bucket, at_least)
+        own = layout_mod.owned(layout, cfg.stage, self.rank)
+        self.state = layout_mod.shard_state(layout, own, placement, cfg.stage, cfg.precision,
+                                            cfg.grad_accum_dtype, offload=cfg.offload_optimizer == "cpu")
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        self.comm, cfg, owns_all=parts.owns_all)
         sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
@@ -387,6 +336,9 @@ class ZeroEngine:
 
     def export_state(self, views: bool = False) -> dict:
         return state_io.export_state(self, views)
+
+    def exported_elements(self) -> int:
+        return state_io.exported_elements(self)
 
     def needed_pieces(self) -> list[tuple[str, tuple, int, int]]:
         return state_io.needed_pieces(self)

@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..device import HeapTrimmer
+from ..runtime.malloc import HeapTrimmer
 from . import flat, gather_pool, units as units_mod
 from .init_context import adopt
 from .rounds import Rounds

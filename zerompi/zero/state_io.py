@@ -26,6 +26,11 @@ def _exporting_segments(engine) -> list:
     return segs
 
 
+def exported_elements(engine) -> int:
+    """Elements of every state kind this rank writes to a checkpoint."""
+    return sum(s.length for s in _exporting_segments(engine))
+
+
 def _runs(engine, s) -> list[tuple[int, int, int]]:
     """(full_lo, full_hi, offset within the segment) of segment s."""
     p = engine.params[s.param]

@@ -33,18 +33,14 @@ root - the enclosing one, listed last, when the model's unit is among them
 """
 from __future__ import annotations
 
-from collections import Counter
 
 import torch
 import torch.nn as nn
 
+from ..models.blocks import is_within as _is_within, repeated_blocks
 from .params import Plan
 
 PERSISTENT = "<persistent>"
-
-
-def _is_within(name: str, root: str) -> bool:
-    return root == "" or name == root or name.startswith(root + ".")
 
 
 def unit_roots(model: nn.Module, stage3) -> list[str]:
@@ -53,14 +49,7 @@ def unit_roots(model: nn.Module, stage3) -> list[str]:
     roots: list[str] = [""]
     classes = stage3.unit_classes.strip()
     if classes == "auto":
-        for name, mod in modules.items():
-            if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-                continue
-            if any(r and _is_within(name, r) for r in roots):
-                continue  # inside a block already chosen: its unit covers it
-            kids = [(f"{name}.{k}" if name else k, c) for k, c in mod.named_children()]
-            counts = Counter(type(c) for _, c in kids if any(True for _ in c.parameters()))
-            roots += [n for n, c in kids if counts[type(c)] > 1]
+        roots += repeated_blocks(model)
     else:
         wanted = {c.strip() for c in classes.split(",")}
         roots += [n for n, m in modules.items() if n and type(m).__name__ in wanted]

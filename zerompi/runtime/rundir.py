@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import runtime
-from .runtime import JobError
+from .abort import JobError
+from .agree import agree
 
 LOCK = ".lock"
 HEARTBEAT_S = 30.0
@@ -211,7 +211,7 @@ def claim(run_dir: str | os.PathLike, world, local_rank: int) -> RunLock | None:
             err = e
         except OSError as e:
             err = RunDirBusy(f"run directory {run_dir}: cannot create its lock ({e})")
-    problems = runtime.agree(world, err)
+    problems = agree(world, err)
     if problems:
         raise RunDirBusy(problems[0][2])
     if lock is not None and lock.took_over:

@@ -1,4 +1,4 @@
-"""Typed, frozen configuration for zerompi.
+"""ZeroConfig and its sections: typed, frozen, validating themselves.
 
 A config comes from a dict, a JSON or TOML file, or an existing `ZeroConfig`, plus
 command-line-style overrides (``optimizer.lr=3e-4`` or ``["--optimizer.lr", "3e-4"]``).
@@ -8,27 +8,9 @@ so a typo in a batch script fails on every rank before any collective is issued.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from .errors import fail
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-class ConfigError(ValueError):
-    """A bad config value. `key` is the dotted key from the table it was found in; a
-    loader that nests the table re-raises with its own prefix (`optimizer.lr` becomes
-    `zero.optimizer.lr` inside a TrainConfig), so the message names the key as the user
-    typed it."""
-
-    def __init__(self, key: str, value: Any, why: str):
-        self.key, self.value, self.why = key, value, why
-        super().__init__(f"config key '{key}' = {value!r}: {why}")
-
-    def under(self, prefix: str) -> "ConfigError":
-        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.why)
-
-
-def _fail(key: str, value: Any, why: str) -> None:
-    raise ConfigError(key, value, why)
 
 
 @dataclass(frozen=True)
@@ -52,15 +34,15 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.implementation not in ("auto", "torch", "fused"):
-            _fail("implementation", self.implementation, "must be auto, torch or fused")
+            fail("implementation", self.implementation, "must be auto, torch or fused")
         if not self.lr >= 0:
-            _fail("lr", self.lr, "must be >= 0")
+            fail("lr", self.lr, "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            _fail("betas", self.betas, "must be two numbers in [0, 1)")
+            fail("betas", self.betas, "must be two numbers in [0, 1)")
         if not self.eps > 0:
-            _fail("eps", self.eps, "must be > 0")
+            fail("eps", self.eps, "must be > 0")
         if not self.weight_decay >= 0:
-            _fail("weight_decay", self.weight_decay, "must be >= 0")
+            fail("weight_decay", self.weight_decay, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -80,15 +62,15 @@ class LossScaleConfig:
 
     def __post_init__(self) -> None:
         if not self.initial_scale > 0:
-            _fail("initial_scale", self.initial_scale, "must be > 0")
+            fail("initial_scale", self.initial_scale, "must be > 0")
         if self.window < 1:
-            _fail("window", self.window, "must be >= 1")
+            fail("window", self.window, "must be >= 1")
         if self.hysteresis < 1:
-            _fail("hysteresis", self.hysteresis, "must be >= 1")
+            fail("hysteresis", self.hysteresis, "must be >= 1")
         if not 0 < self.min_scale <= self.initial_scale:
-            _fail("min_scale", self.min_scale, "must be in (0, initial_scale]")
+            fail("min_scale", self.min_scale, "must be in (0, initial_scale]")
         if not self.factor > 1:
-            _fail("factor", self.factor, "must be > 1")
+            fail("factor", self.factor, "must be > 1")
 
 
 @dataclass(frozen=True)
@@ -119,11 +101,11 @@ class CommConfig:
     def __post_init__(self) -> None:
         for k in ("timeout_s", "startup_timeout_s", "stop_grace_s"):
             if not getattr(self, k) >= 0:
-                _fail(k, getattr(self, k), "must be >= 0 (0 = off)")
+                fail(k, getattr(self, k), "must be >= 0 (0 = off)")
         if self.backend not in ("auto", "mpi", "nccl"):
-            _fail("backend", self.backend, "must be one of auto, mpi, nccl")
+            fail("backend", self.backend, "must be one of auto, mpi, nccl")
         if self.reduce_scatter not in ("ordered", "native"):
-            _fail("reduce_scatter", self.reduce_scatter, "must be ordered or native")
+            fail("reduce_scatter", self.reduce_scatter, "must be ordered or native")
 
 
 @dataclass(frozen=True)
@@ -152,18 +134,18 @@ class Stage3Config:
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:
-            _fail("prefetch_modules", self.prefetch_modules, "must be >= 0")
+            fail("prefetch_modules", self.prefetch_modules, "must be >= 0")
         if self.max_live_parameters < 1:
-            _fail("max_live_parameters", self.max_live_parameters, "must be >= 1")
+            fail("max_live_parameters", self.max_live_parameters, "must be >= 1")
         if self.persistence_threshold < 0:
-            _fail("persistence_threshold", self.persistence_threshold, "must be >= 0")
+            fail("persistence_threshold", self.persistence_threshold, "must be >= 0")
         if not self.unit_classes.strip() or any(not c.strip() for c in self.unit_classes.split(",")):
-            _fail("unit_classes", self.unit_classes, 'must be "auto" or comma-separated class names')
+            fail("unit_classes", self.unit_classes, 'must be "auto" or comma-separated class names')
         if self.unit_min_elements < 0:
-            _fail("unit_min_elements", self.unit_min_elements, "must be >= 0")
+            fail("unit_min_elements", self.unit_min_elements, "must be >= 0")
         if self.coalesce_elements != "auto" and not (isinstance(self.coalesce_elements, int)
                                                      and self.coalesce_elements >= 0):
-            _fail("coalesce_elements", self.coalesce_elements, 'must be "auto" or an integer >= 0')
+            fail("coalesce_elements", self.coalesce_elements, 'must be "auto" or an integer >= 0')
 
 
 @dataclass(frozen=True)
@@ -190,7 +172,7 @@ class ActivationCheckpointingConfig:
     def __post_init__(self) -> None:
         for k in ("partition", "cpu_offload", "contiguous"):
             if getattr(self, k) and not self.enabled:
-                _fail(k, getattr(self, k), "needs activation_checkpointing.enabled = true")
+                fail(k, getattr(self, k), "needs activation_checkpointing.enabled = true")
 
 
 @dataclass(frozen=True)
@@ -243,7 +225,7 @@ class ZeroConfig:
     tensor_parallel_size: int = 1
     """Ranks per tensor-parallel group (adjacent ranks); data parallelism (and ZeRO's
     partitioning) runs across groups. It must divide the number of ranks; the model must
-    be tensor-parallel already (zerompi.models.parallelize for the reference GPT)."""
+    be tensor-parallel already (zerompi.parallel.parallelize for the reference GPT)."""
     seed: int = 1234
     """Base seed; rank r seeds torch/numpy/random with seed + r."""
     max_nonfinite_steps: int = 3
@@ -253,30 +235,26 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
-            _fail("stage", self.stage, "must be 0, 1, 2 or 3")
+            fail("stage", self.stage, "must be 0, 1, 2 or 3")
         if self.precision not in PRECISIONS:
-            _fail("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+            fail("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
         if self.gradient_accumulation_steps < 1:
-            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
+            fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
         if not self.gradient_clipping >= 0:
-            _fail("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 = off)")
+            fail("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 = off)")
         if self.bucket_size != "auto" and not (isinstance(self.bucket_size, int) and self.bucket_size >= 1):
-            _fail("bucket_size", self.bucket_size, 'must be "auto" or an integer >= 1')
+            fail("bucket_size", self.bucket_size, 'must be "auto" or an integer >= 1')
         if self.bucket_count < 1:
-            _fail("bucket_count", self.bucket_count, "must be >= 1")
+            fail("bucket_count", self.bucket_count, "must be >= 1")
         if self.reduce_dtype not in ("fp32", "param"):
-            _fail("reduce_dtype", self.reduce_dtype, "must be fp32 or param")
+            fail("reduce_dtype", self.reduce_dtype, "must be fp32 or param")
         if self.grad_accum_dtype not in ("fp32", "param"):
-            _fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
+            fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
-            _fail("alignment", self.alignment, "must be a power of two")
+            fail("alignment", self.alignment, "must be a power of two")
         if self.max_nonfinite_steps < 0:
-            _fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
+            fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
         if self.offload_optimizer not in ("none", "cpu"):
-            _fail("offload_optimizer", self.offload_optimizer, "must be none or cpu")
+            fail("offload_optimizer", self.offload_optimizer, "must be none or cpu")
         if self.tensor_parallel_size < 1:
-            _fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
-
-
-# Loading (dicts, files, overrides) lives in config_load.py; the names stay importable here.
-from .config_load import load, parse_overrides, read_file, to_dict  # noqa: E402,F401
+            fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")

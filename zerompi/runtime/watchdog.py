@@ -11,7 +11,7 @@ the deadline four times a second and, on expiry:
      while their main thread is blocked in MPI: mpi4py initialises MPI_THREAD_MULTIPLE);
   2. prints one line naming this rank, the collective, the step, and the ranks that did
      not answer (stopped or dead) or are somewhere else;
-  3. ends the whole job through runtime.abort (MPI_Abort, exit EXIT_TIMEOUT).
+  3. ends the whole job through abort.abort (MPI_Abort, exit EXIT_TIMEOUT).
 
 Stop signals (install_stop_signals, used by `python -m zerompi.train`): the Python
 handler sets a flag that the loop reads between steps, where the ranks agree and
@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+
+from .abort import abort
 
 EXIT_TIMEOUT = 3
 TAG_QUERY, TAG_REPLY = 32001, 32002  # MPI guarantees tags up to 32767
@@ -317,7 +319,6 @@ def _ranks(qs: list[int]) -> str:
 
 
 def _expire(what: str, code: int, op: str | None = None, step: int | None = None) -> None:
-    from . import runtime
 
     MPI = _mpi()
     rank = MPI.COMM_WORLD.Get_rank() if MPI else os.environ.get("PMI_RANK", "?")
@@ -327,4 +328,4 @@ def _expire(what: str, code: int, op: str | None = None, step: int | None = None
             detail = _ask_peers(MPI, op, step)
         except Exception as e:  # a diagnosis must never stop the abort
             detail = f" (could not ask the other ranks: {e})"
-    runtime.abort(f"[rank {rank}] zerompi watchdog: {what}{detail}. Ending the job.", code)
+    abort(f"[rank {rank}] zerompi watchdog: {what}{detail}. Ending the job.", code)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Mapping
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # Top-level keys that mark a dict as a DeepSpeed config (none is a zerompi key; "fp16"
 # and "optimizer" are both, so they mark only in DeepSpeed's shape).
@@ -209,7 +209,7 @@ def _batch(ds: Mapping, out: dict, world_size) -> dict:
 
 
 def _world_size() -> int:
-    from . import runtime
+    from .. import runtime
 
     return runtime.init().Get_size()
 

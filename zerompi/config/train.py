@@ -1,6 +1,6 @@
 """TrainConfig: the typed, frozen configuration of `python -m zerompi.train`.
 
-Same machinery as ZeroConfig (zerompi/config.py): a TOML/JSON file plus dotted
+Same machinery as ZeroConfig (config/zero.py): a TOML/JSON file plus dotted
 overrides, unknown keys and bad values fail naming the key. The nested `zero` table is
 a ZeroConfig, so `zero.stage=2` or `--zero.optimizer.lr 3e-4` work on the command line.
 """
@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from . import config
-from .config import ZeroConfig, _fail, parse_overrides
+from . import loading as config
+from .errors import fail
+from .loading import parse_overrides
+from .zero import ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -33,19 +35,19 @@ class ModelConfig:
     """Linear and LayerNorm biases (every preset has them)."""
 
     def __post_init__(self) -> None:
-        from .models.gpt import PRESETS
+        from ..models.gpt import PRESETS
 
         if self.preset not in PRESETS:
-            _fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
+            fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
         for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
             if getattr(self, k) < 0:
-                _fail(k, getattr(self, k), "must be >= 0 (0 = the preset's)")
+                fail(k, getattr(self, k), "must be >= 0 (0 = the preset's)")
         if not 0.0 <= self.dropout < 1.0:
-            _fail("dropout", self.dropout, "must be in [0, 1)")
+            fail("dropout", self.dropout, "must be in [0, 1)")
         self.gpt_config()  # n_embd divisible by n_head
 
     def gpt_config(self):
-        from .models.gpt import PRESETS
+        from ..models.gpt import PRESETS
 
         base = PRESETS[self.preset]
         changes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
@@ -53,7 +55,7 @@ class ModelConfig:
         try:
             return dataclasses.replace(base, dropout=self.dropout, bias=self.bias, **changes)
         except ValueError as e:  # n_embd not divisible by n_head
-            _fail("n_head", self.n_head or base.n_head, str(e))
+            fail("n_head", self.n_head or base.n_head, str(e))
 
 
 @dataclass(frozen=True)
@@ -128,31 +130,31 @@ class TrainConfig:
                         "checkpoint_interval", "keep_last", "threads")
         for k in positive:
             if getattr(self, k) < 1:
-                _fail(k, getattr(self, k), "must be >= 1")
+                fail(k, getattr(self, k), "must be >= 1")
         for k in non_negative:
             if getattr(self, k) < 0:
-                _fail(k, getattr(self, k), "must be >= 0")
+                fail(k, getattr(self, k), "must be >= 0")
         if self.eval_batches < 1:
-            _fail("eval_batches", self.eval_batches, "must be >= 1")
+            fail("eval_batches", self.eval_batches, "must be >= 1")
         if self.log_interval < 1:
-            _fail("log_interval", self.log_interval, "must be >= 1")
+            fail("log_interval", self.log_interval, "must be >= 1")
         if not 0.0 <= self.val_fraction < 1.0:
-            _fail("val_fraction", self.val_fraction, "must be in [0, 1)")
+            fail("val_fraction", self.val_fraction, "must be in [0, 1)")
         if self.eval_interval and self.val_fraction == 0:
-            _fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
+            fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
         if not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
-            _fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
+            fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
         if self.block_size > self.model.gpt_config().block_size:
-            _fail("block_size", self.block_size,
+            fail("block_size", self.block_size,
                   f"must be <= the model's context length {self.model.gpt_config().block_size}")
         if self.device not in ("auto", "cpu", "cuda"):
-            _fail("device", self.device, "must be auto, cpu or cuda")
+            fail("device", self.device, "must be auto, cpu or cuda")
         if self.progress not in ("auto", "bar", "lines", "none"):
-            _fail("progress", self.progress, "must be auto, bar, lines or none")
+            fail("progress", self.progress, "must be auto, bar, lines or none")
         if not self.peak_flops >= 0:
-            _fail("peak_flops", self.peak_flops, "must be >= 0")
+            fail("peak_flops", self.peak_flops, "must be >= 0")
         if not self.data:
-            _fail("data", self.data, "must name a token source")
+            fail("data", self.data, "must name a token source")
 
     @property
     def seq_len(self) -> int:
@@ -188,10 +190,10 @@ def from_argv(argv: Sequence[str]) -> TrainConfig:
         i += 1
     source = files["config"]
     if files["deepspeed_config"]:
-        from . import ds_config
+        from . import deepspeed
 
         base = config.read_file(source) if source else {}
-        source = ds_config.merge_into_train_config(base, config.read_file(files["deepspeed_config"]),
+        source = deepspeed.merge_into_train_config(base, config.read_file(files["deepspeed_config"]),
                                                    f"DeepSpeed config {files['deepspeed_config']}")
     return load(source, parse_overrides(rest))
 

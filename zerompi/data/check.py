@@ -27,7 +27,7 @@ import pathlib
 
 import numpy as np
 
-from .data import H5Tokens, TokenSampler, open_tokens, split_tokens
+from .tokens import H5Tokens, TokenSampler, open_tokens, split_tokens
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _NPY_MAGIC = b"\x93NUMPY"
@@ -208,7 +208,7 @@ def open_agreed(spec: str, vocab_size: int, block_size: int, val_fraction: float
     the job's one error line. Collective over `comm`."""
     import sys
 
-    from . import runtime
+    from .. import runtime
 
     tokens = error = what = None
     try:

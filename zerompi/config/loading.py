@@ -1,5 +1,5 @@
 """Loading a config: dicts, JSON/TOML files, CLI-style overrides -> the typed dataclasses of
-zerompi/config.py, failing with the dotted key and value (re-exported by config.py)."""
+zero.py, failing with the dotted key and value."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,8 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
-from .config import ConfigError, ZeroConfig, _fail
+from .errors import ConfigError, fail
+from .zero import ZeroConfig
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -22,49 +23,49 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError:
                 pass
-        _fail(key, value, "expected " + " or ".join(a.__name__ for a in typing.get_args(tp)))
+        fail(key, value, "expected " + " or ".join(a.__name__ for a in typing.get_args(tp)))
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            _fail(key, value, f"expected a table of {tp.__name__} fields")
+            fail(key, value, f"expected a table of {tp.__name__} fields")
         return _build(tp, value, key)
     if origin is tuple:
         args = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            _fail(key, value, f"expected {len(args)} values")
+            fail(key, value, f"expected {len(args)} values")
         return tuple(_coerce(key, v, a) for v, a in zip(value, args))
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
         if isinstance(value, bool):
             return value
-        _fail(key, value, "expected true or false")
+        fail(key, value, "expected true or false")
     if tp is int:
         if isinstance(value, bool):
-            _fail(key, value, "expected an integer")
+            fail(key, value, "expected an integer")
         if isinstance(value, str):
             try:
                 value = float(value) if any(c in value for c in ".eE") else int(value, 0)
             except ValueError:
-                _fail(key, value, "expected an integer")
+                fail(key, value, "expected an integer")
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, int):
-            _fail(key, value, "expected an integer")
+            fail(key, value, "expected an integer")
         return value
     if tp is float:
         if isinstance(value, bool):
-            _fail(key, value, "expected a number")
+            fail(key, value, "expected a number")
         try:
             return float(value)
         except (TypeError, ValueError):
-            _fail(key, value, "expected a number")
+            fail(key, value, "expected a number")
     if tp is str:
         if not isinstance(value, str):
-            _fail(key, value, "expected a string")
+            fail(key, value, "expected a string")
         return value
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
@@ -76,7 +77,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
-            _fail(key, v, f"unknown key (valid: {', '.join(sorted(names))})")
+            fail(key, v, f"unknown key (valid: {', '.join(sorted(names))})")
         kwargs[k] = _coerce(key, v, hints[k])
     try:
         return cls(**kwargs)  # the section's own checks (__post_init__) name local keys
@@ -89,7 +90,7 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     for p in parts[:-1]:
         sub = d.setdefault(p, {})
         if not isinstance(sub, dict):
-            _fail(dotted, value, f"'{p}' is not a table")
+            fail(dotted, value, f"'{p}' is not a table")
         d = sub
     d[parts[-1]] = value
 
@@ -151,10 +152,10 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
     else:
         data = read_file(source)
     if cls is ZeroConfig and not isinstance(source, cls):
-        from . import ds_config
+        from . import deepspeed
 
-        if ds_config.looks_like_deepspeed(data):  # a DeepSpeed JSON config: translate it
-            data = ds_config.zero_config_dict(data, f"DeepSpeed config {os.fspath(source)}"
+        if deepspeed.looks_like_deepspeed(data):  # a DeepSpeed JSON config: translate it
+            data = deepspeed.zero_config_dict(data, f"DeepSpeed config {os.fspath(source)}"
                                               if isinstance(source, (str, os.PathLike)) else "DeepSpeed config")
     if overrides:
         if not isinstance(overrides, Mapping):

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                         VocabParallelLMHead, padded_vocab_size,
                                         vocab_parallel_cross_entropy)
-from .gpt import GPT
+from ..models.gpt import GPT
 
 __all__ = ["parallelize", "check_tp", "VocabParallelCrossEntropy"]
 

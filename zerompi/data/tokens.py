@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from .fileio import atomic_write
+from ..runtime.fileio import atomic_write
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "Tokens", "H5Tokens", "TokenRange", "cache_dir_path",

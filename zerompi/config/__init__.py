@@ -1,0 +1,13 @@
+"""Configuration: ZeroConfig and its sections (zero.py), the trainer's TrainConfig
+(train.py), loading dicts / JSON / TOML / overrides (loading.py), DeepSpeed JSON mapped onto
+them (deepspeed.py), and the one error type naming the dotted key (errors.py).
+
+`zerompi.config.X` keeps every name it had when config was one module."""
+from .errors import ConfigError, fail
+from .loading import load, parse_overrides, read_file, to_dict
+from .zero import (PRECISIONS, ActivationCheckpointingConfig, CommConfig, LossScaleConfig,
+                   OptimizerConfig, Stage3Config, ZeroConfig)
+
+__all__ = ["ConfigError", "fail", "load", "parse_overrides", "read_file", "to_dict", "PRECISIONS",
+           "ActivationCheckpointingConfig", "CommConfig", "LossScaleConfig", "OptimizerConfig",
+           "Stage3Config", "ZeroConfig"]

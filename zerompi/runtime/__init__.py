@@ -1,0 +1,14 @@
+"""What a job needs around the training itself: MPI start-up and whole-job abort
+(abort.py), cross-rank agreement (agree.py), glibc heap helpers (malloc.py), deadlines
+on collective waits and stop signals (watchdog.py), the run directory's lock
+(rundir.py), atomic file writes (fileio.py).
+
+`zerompi.runtime.X` keeps every name it had when runtime was one module."""
+from .abort import JobError, abort, init, install_abort_hook, mpi, one_line_job_errors, seed_everything
+from .agree import agree, check_same_everywhere, first_difference, raise_agreed, same_everywhere
+from .malloc import MMAP_THRESHOLD, HeapTrimmer, fix_mmap_threshold, release_free_memory
+
+__all__ = ["JobError", "abort", "init", "install_abort_hook", "mpi", "one_line_job_errors",
+           "seed_everything", "agree", "check_same_everywhere", "first_difference", "raise_agreed",
+           "same_everywhere", "MMAP_THRESHOLD", "HeapTrimmer", "fix_mmap_threshold",
+           "release_free_memory"]
