@@ -16,6 +16,7 @@ take GPU buffers directly.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -54,6 +55,26 @@ class Placement:
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
+
+    def host_staging(self, nbytes: int) -> tuple[torch.Tensor, int | None]:
+        """A page-aligned host byte buffer to snapshot this placement's tensors into
+        (asynchronous checkpoints), meant to be allocated once and reused: backed by a
+        memfd where Linux has one, so a helper process can map it too (the descriptor
+        is returned, else None), and page-locked when this placement is a GPU's, so
+        device-to-host copies into it run asynchronously at full speed."""
+        nbytes = max(1, int(nbytes))
+        fd = os.memfd_create("zerompi-staging", getattr(os, "MFD_CLOEXEC", 0)) if hasattr(os, "memfd_create") else None
+        if fd is not None:
+            os.ftruncate(fd, nbytes)
+        mem = mmap.mmap(fd if fd is not None else -1, nbytes)
+        t = torch.frombuffer(mem, dtype=torch.uint8)  # keeps `mem` alive
+        if self.is_cuda:
+            # cudaHostRegister (torch's helper): the pinned allocator cannot take memory
+            # mapped elsewhere. Unverified on a GPU in this repository's tests.
+            from torch.cuda._pin_memory_utils import pin_memory
+
+            pin_memory(t.data_ptr(), nbytes)
+        return t, fd
 
     def __str__(self) -> str:
         return "host (pinned)" if self.pinned else ("host" if self.device.type == "cpu" else str(self.device))

@@ -15,20 +15,46 @@ from __future__ import annotations
 
 from .format import CheckpointError
 
-__all__ = ["CheckpointError", "save", "load", "verify_checkpoint", "resolve", "read_manifest"]
+__all__ = ["CheckpointError", "save", "poll", "flush", "load", "verify_checkpoint", "resolve", "read_manifest"]
 
 
 def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
-         keep_last: int | None = None) -> str:
+         keep_last: int | None = None, async_save: bool = False, writer: str = "thread") -> str:
     """Write DIR/TAG (default tag step-<global_steps>) on all ranks together and point
     DIR/latest at it; returns the checkpoint path. client_state must be JSON-serialisable
     (TypeError naming the key otherwise). keep_last=K keeps the K newest checkpoints in
-    DIR and deletes older ones (never the one just written); None keeps everything."""
+    DIR and deletes older ones (never the one just written); None keeps everything.
+
+    async_save=True snapshots the state into a host staging buffer and returns at once;
+    the file is written in the background (writer "thread" or "process") and published
+    by a later poll(engine) (call it once per step) or flush(engine) (at the end): until
+    then the path does not exist and DIR/latest names the previous checkpoint. At most
+    one save is in flight; a save waits for the one before (docs/checkpoints.md)."""
     from ..runtime.watchdog import generous
+    from .async_save import saver_of
     from .saving import save as _save
 
+    if async_save:
+        with generous("checkpoint save"):
+            return saver_of(engine, writer).begin(directory, tag, client_state, keep_last)
+    flush(engine)  # never two saves in flight, and in order
     with generous("checkpoint save"):  # ranks wait for the slowest writer
         return _save(engine, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+
+
+def poll(engine) -> dict | None:
+    """Collective, once per step: publish the asynchronous save in flight if every
+    rank's write has finished. Returns {"path", "tag", "stall_s", "write_s", "waited_s"}
+    when it published one, else None; raises CheckpointError (on every rank) if a
+    background write failed. Costs one small all-reduce while a save is in flight."""
+    saver = getattr(engine, "_async_saver", None)
+    return saver.poll() if saver is not None else None
+
+
+def flush(engine) -> dict | None:
+    """Collective: wait for the asynchronous save in flight and publish it (as poll)."""
+    saver = getattr(engine, "_async_saver", None)
+    return saver.flush() if saver is not None else None
 
 
 def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict | None:
@@ -39,6 +65,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
     from ..runtime.watchdog import generous
     from .loading import load as _load
 
+    flush(engine)  # a save in flight is published (and its snapshot done) before the state changes
     with generous("checkpoint load"):  # ranks wait for the slowest hasher
         return _load(engine, directory, tag=tag, verify=verify)
 

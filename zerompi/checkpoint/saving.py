@@ -3,7 +3,7 @@
 1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
 2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
 3. each rank writes rank-XXXXX.h5, checksumming its bytes from memory as they are
-   written (writer._stream: CRC-32 per 64 MiB block, as format.digest_file computes),
+   written (writer._stream, or rankfile.write_staged from a snapshot: CRC-32 per 64 MiB block, as format.digest_file computes),
    and fsyncs it;
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
@@ -11,6 +11,10 @@
    to DIR/TAG, rewrites DIR/latest (zerompi.runtime.fileio.atomic_write), cleans up crashed
    saves and applies keep_last; the ranks agree on its outcome, so all of them return
    or raise together.
+
+An asynchronous save (async_save.py) runs steps 1-2 (start) when it is requested, step 3
+from a snapshot in the background, and steps 4-5 (finish) on the training thread once
+every rank's write has finished: the same protocol, the same messages.
 
 Every error agreement is format.raise_agreed (zerompi.runtime.agree underneath): the
 message names the rank and the file; bad arguments keep TypeError/ValueError, anything
@@ -78,27 +82,37 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
     }
 
 
-def _space_hint(e: Exception, path: str, engine, lowp: str | None) -> str:
-    """For a full disk (or a file-size limit): how much this rank's file needs and how
-    much the filesystem has free."""
+def space_hint(e: Exception, path: str, need: int, world: int) -> str:
+    """For a full disk (or a file-size limit): how much this rank's file needs (`need`
+    bytes) and how much the filesystem has free."""
     text = str(e)
     if not (getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
             or "No space left" in text or "Disk quota" in text or "File too large" in text):
         return ""
-    need = rank_file_bytes(engine, lowp)
     try:
         st = os.statvfs(os.path.dirname(path))
         free = f", {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free there now"
     except OSError:
         free = ""
     return (f" (out of space: this rank's file needs about {need / 2**20:.1f} MiB, "
-            f"{engine.dims.world.size} rank files about {engine.dims.world.size * need / 2**20:.1f} MiB{free})")
+            f"{world} rank files about {world * need / 2**20:.1f} MiB{free})")
 
 
-def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
-         keep_last: int | None = None) -> str:
+def write_error(e: Exception, path: str, engine, lowp: str | None) -> str:
+    """The one message for a rank file that could not be written; the partial file is
+    removed at once, to give the space back."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    hint = space_hint(e, path, rank_file_bytes(engine, lowp), engine.dims.world.size)
+    return f"{path}: {type(e).__name__}: {e}" + hint
+
+
+def start(engine, directory, tag: str | None, client_state: dict | None, keep_last: int | None) -> dict:
+    """Steps 1-2 (collective): the arguments checked on every rank, rank 0's temporary
+    directory made and broadcast. Returns what step 5 (finish) needs."""
     comm = engine.dims.world
-    rank = comm.rank
     directory = os.path.abspath(os.fspath(directory))
     err, client_json = None, None
     try:
@@ -111,7 +125,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     fmt.raise_agreed(comm, err, "save_checkpoint")  # TypeError/ValueError, as raised
 
     tmp = err = None
-    if rank == 0:
+    if comm.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
@@ -123,25 +137,23 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
             err = f"cannot create a directory in {directory}: {e}"
     fmt.raise_agreed(comm, err, f"save_checkpoint to {os.path.join(directory, tag)}")
     tmp, tag = comm.bcast_object((tmp, tag))  # rank 0's tag, should the ranks differ
-    target = os.path.join(directory, tag)
+    return {"directory": directory, "tmp": tmp, "tag": tag, "target": os.path.join(directory, tag),
+            "client_json": client_json, "keep_last": keep_last,
+            "lowp": fmt.lowp_kind(engine.config.precision),
+            "path": os.path.join(tmp, fmt.rank_file(comm.rank))}
 
-    lowp = fmt.lowp_kind(engine.config.precision)
-    info, err = None, None
-    path = os.path.join(tmp, fmt.rank_file(rank))
-    try:
-        info = write_rank_file(path, engine, tag, lowp)  # fsynced; with its digest and size
-    except Exception as e:  # disk full, permissions... : every rank must hear of it
-        err = f"{path}: {type(e).__name__}: {e}" + _space_hint(e, path, engine, lowp)
-        try:
-            os.unlink(path)  # give the space back at once
-        except OSError:
-            pass
+
+def finish(engine, s: dict, info: dict | None, err: str | None) -> str:
+    """Steps 4-5 (collective), once every rank wrote its file (info) or failed (err):
+    agree, then rank 0 writes index.h5 and the manifest and publishes; all ranks
+    return the path or raise together."""
+    comm, directory, tmp, tag, target = engine.dims.world, s["directory"], s["tmp"], s["tag"], s["target"]
     comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
     if runtime.agree(comm, err):
         # Nobody raises before rank 0 has removed the temporary directory: an uncaught
         # error on another rank aborts the job, which would kill rank 0 mid-cleanup and
         # leave the partial checkpoint filling the disk.
-        if rank == 0:
+        if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         comm.barrier()
         fmt.raise_agreed(comm, err, f"save_checkpoint to {target} (nothing was written; "
@@ -149,9 +161,9 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     infos = comm.allgather_object(info)  # every rank file is durable from here on
 
     err = None
-    if rank == 0:
+    if comm.rank == 0:
         try:
-            manifest = _build_manifest(engine, tag, infos, client_json, lowp)
+            manifest = _build_manifest(engine, tag, infos, s["client_json"], s["lowp"])
             gaps = check_coverage(manifest)  # never publish what load would reject
             if gaps:
                 raise RuntimeError("exported pieces do not cover the model: " + "; ".join(gaps[:4]))
@@ -167,9 +179,20 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
         else:
             try:  # housekeeping: the checkpoint is already published, so only warn
                 dirs.cleanup(directory)
-                dirs.rotate(directory, keep_last, tag, background=True)
+                dirs.rotate(directory, s["keep_last"], tag, background=True)
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
     comm.barrier(poll=True)  # rank 0 writes index.h5 and the manifest alone meanwhile
     fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's publish outcome
     return target
+
+
+def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
+         keep_last: int | None = None) -> str:
+    s = start(engine, directory, tag, client_state, keep_last)
+    info = err = None
+    try:
+        info = write_rank_file(s["path"], engine, s["tag"], s["lowp"])  # fsynced; with its digest and size
+    except Exception as e:  # disk full, permissions... : every rank must hear of it
+        err = write_error(e, s["path"], engine, s["lowp"])
+    return finish(engine, s, info, err)

@@ -14,22 +14,16 @@ Layout of rank-XXXXX.h5 (see docs/checkpoints.md):
 """
 from __future__ import annotations
 
-import errno
 import json
-import mmap
 import os
 import random
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
-import h5py
 import numpy as np
 import torch
 
 from . import format as fmt
-
-PIECE_DTYPE = np.dtype([("name", h5py.string_dtype()), ("shape", h5py.string_dtype()),
-                        ("lo", "<i8"), ("hi", "<i8"), ("offset", "<i8")])
+from .rankfile import (ALIGN as _ALIGN, CHUNK as _CHUNK, H5_ALIGNMENT, IN_FLIGHT as _IN_FLIGHT, Writer,
+                       aligned as _aligned, alloc_raw, module_entry, open_direct, write_structure)
 
 
 def model_tensors(engine) -> list[tuple[str, tuple]]:
@@ -72,98 +66,6 @@ def _rng_state() -> dict:
             "python": json.dumps([version, list(internal), gauss_next])}
 
 
-def _alloc_raw(group, name: str, n: int, h5type) -> int | None:
-    """A contiguous dataset of n elements allocated now and never filled (we write every
-    byte ourselves); its byte offset in the file, or None when empty."""
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    dset = h5py.h5d.create(group.id, name.encode(), h5type, h5py.h5s.create_simple((n,)), dcpl=dcpl)
-    return dset.get_offset() if n else None
-
-
-def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
-    while len(data):
-        k = os.pwrite(fd, data, pos)
-        data, pos = data[k:], pos + k
-
-
-_CHUNK = 8 << 20   # bytes per write: checked, checksummed and written while in cache
-_IN_FLIGHT = 2     # writes the helper thread may have queued behind the main thread
-_ALIGN = 4096      # O_DIRECT: file offsets, lengths and memory aligned to this
-# The state datasets start on _ALIGN boundaries (HDF5's H5Pset_alignment: a little
-# padding, any HDF5 reader is unaffected) so that their bytes can go to disk with O_DIRECT.
-H5_ALIGNMENT = {"alignment_threshold": 1 << 16, "alignment_interval": _ALIGN}
-
-
-def direct_io_enabled() -> bool:
-    """O_DIRECT writes for the state (default on; ZEROMPI_CHECKPOINT_DIRECT_IO=0 turns
-    them off). Writing through the page cache costs a fresh page per 4 KiB of checkpoint:
-    on a VM each is a fault to the hypervisor, seconds of CPU per GB; O_DIRECT sends
-    the bytes from a few reused, aligned buffers instead."""
-    return hasattr(os, "O_DIRECT") and os.environ.get("ZEROMPI_CHECKPOINT_DIRECT_IO", "1") != "0"
-
-
-class _Writer:
-    """Checksums and writes byte arrays in file order on one helper thread (zlib and
-    pwrite release the GIL), while the caller prepares the next ones."""
-
-    def __init__(self, path: str, fd: int, dfd: int | None):
-        self.path, self.fd, self.dfd = path, fd, dfd
-        self.crc = fmt.BlockCRC()
-        self.pending: deque = deque()
-        self.ex = ThreadPoolExecutor(1, thread_name_prefix="zerompi-ckpt-write")
-        self.gap_buf = bytearray(1 << 20)
-
-    def _submit(self, fn, *args):
-        fut = self.ex.submit(fn, *args)
-        self.pending.append(fut)
-        while len(self.pending) > _IN_FLIGHT:
-            self.pending.popleft().result()
-        return fut
-
-    def gap(self, lo: int, hi: int) -> None:
-        """Bytes HDF5 wrote (headers, piece table, RNG, module tensors): checksummed from the file."""
-        if hi > lo:
-            self._submit(fmt.crc_range, self.fd, lo, hi, self.crc, self.path, self.gap_buf)
-
-    def put(self, data: np.ndarray, pos: int, direct: bool):
-        """Checksum `data` (uint8) and write it at `pos`; returns a future, done once
-        `data` may be reused. direct: pos and data are _ALIGN-aligned (a short tail goes
-        through the page cache)."""
-        return self._submit(self._write, data, pos, direct)
-
-    def _write(self, data: np.ndarray, pos: int, direct: bool) -> None:
-        self.crc.update(data)
-        mv = memoryview(data).cast("B")
-        if direct and self.dfd is not None:
-            n = len(mv) // _ALIGN * _ALIGN
-            try:
-                _pwrite_all(self.dfd, mv[:n], pos)
-                mv, pos = mv[n:], pos + n
-            except OSError as e:   # a filesystem that opens O_DIRECT files but refuses the writes
-                if e.errno != errno.EINVAL:
-                    raise
-                os.close(self.dfd)
-                self.dfd = None
-        _pwrite_all(self.fd, mv, pos)
-
-    def finish(self) -> tuple[str, int]:
-        while self.pending:
-            self.pending.popleft().result()
-        return self.crc.digest(), self.crc.size
-
-    def close(self) -> None:
-        self.ex.shutdown(wait=True, cancel_futures=True)
-        if self.dfd is not None:
-            os.close(self.dfd)
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer (anonymous mmap), for O_DIRECT."""
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-
-
 def _stream(path: str, plan: list[tuple], names: list[str]) -> tuple[str, int]:
     """Write each dataset's pieces at its file offset from the engine's buffers and fsync;
     returns the file's (digest, size), as format.digest_file computes it, checksummed
@@ -198,13 +100,7 @@ def _stream(path: str, plan: list[tuple], names: list[str]) -> tuple[str, int]:
                                      f"{names[j]} holds inf/nan")
 
     fd = os.open(path, os.O_RDWR)
-    dfd = None
-    if direct_io_enabled():
-        try:
-            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-        except OSError:
-            dfd = None   # not supported here (tmpfs, some FUSE): through the page cache
-    w = _Writer(path, fd, dfd)
+    w = Writer(path, fd, open_direct(path))
     try:
         size = os.fstat(fd).st_size   # HDF5 allocated every dataset: the file's final size
         if plan and plan[-1][0] + plan[-1][3] > size:
@@ -270,6 +166,29 @@ def rank_file_bytes(engine, lowp: str | None) -> int:
     return elements * (4 * len(engine.STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
 
 
+def header_of(engine, tag: str, state: dict) -> dict:
+    """rankfile.write_structure's header for export_state's `state`, taken now (the RNG
+    states too): the pieces with their offsets into the state vectors."""
+    pieces, off = [], 0
+    for name, shape, lo, hi in state["pieces"]:
+        pieces.append((name, [int(d) for d in shape], int(lo), int(hi), off))
+        off += int(hi) - int(lo)
+    attrs = {"format": fmt.FORMAT, "format_version": fmt.VERSION, "rank": engine.dims.world.rank,
+             "world_size": engine.dims.world.size, "tag": tag,
+             "scaler": json.dumps(state["scaler"]), "counters": json.dumps(state["counters"])}
+    return {"attrs": attrs, "pieces": pieces, "elements": off, "rng": _rng_state(),
+            "steps": json.dumps({k: int(v) for k, v in state["steps"].items()}),
+            "param_groups": json.dumps(state["param_groups"]),
+            "summary": {"counters": dict(state["counters"]), "scaler": dict(state["scaler"])}}
+
+
+def storable_module(engine) -> list[tuple[str, np.ndarray, str, str]]:
+    """rankfile.write_structure's module list: rank 0's frozen parameters and buffers."""
+    if engine.dims.world.rank != 0:
+        return []
+    return [(name, _storable(t), str(t.dtype).replace("torch.", ""), role) for name, t, role in module_tensors(engine)]
+
+
 def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
     """Write and fsync this rank's file. Returns what the manifest needs:
     {"pieces": [(name, shape, lo, hi, offset)], "elements": n, "module": {...},
@@ -278,20 +197,13 @@ def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
     HDF5 writes the structure (piece table, attributes, RNG, module tensors) and
     allocates the state datasets contiguously; after it closes the file, the state's
     bytes go to those offsets with pwrite (_stream), checksummed from memory as they go."""
+    import h5py
+
     state = engine.export_state(views=True)
-    rank, world = engine.dims.world.rank, engine.dims.world.size
-    pieces, off = [], 0
-    for name, shape, lo, hi in state["pieces"]:
-        pieces.append((name, [int(d) for d in shape], int(lo), int(hi), off))
-        off += int(hi) - int(lo)
-    module_info, plan = {}, []
+    header = header_of(engine, tag, state)
+    off, module, plan = header["elements"], storable_module(engine), []
     with h5py.File(path, "w", libver=fmt.LIBVER, locking=False, **H5_ALIGNMENT) as f:
-        f.attrs.update({"format": fmt.FORMAT, "format_version": fmt.VERSION, "rank": rank,
-                        "world_size": world, "tag": tag,
-                        "scaler": json.dumps(state["scaler"]),
-                        "counters": json.dumps(state["counters"])})
-        table = np.array([(n, json.dumps(s), lo, hi, o) for n, s, lo, hi, o in pieces], dtype=PIECE_DTYPE)
-        f.create_dataset("pieces", data=table, shape=(len(pieces),), dtype=PIECE_DTYPE)
+        write_structure(f, header, module)
         g = f.create_group(fmt.STATE_GROUP)
         for kind, ts in state["tensors"].items():
             ts = [t.to(torch.float32) for t in ts]
@@ -299,32 +211,15 @@ def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
                 raise RuntimeError(f"export_state: {kind} has {sum(t.numel() for t in ts)} values "
                                    f"for {off} piece elements")
             # inf/nan is refused while streaming (_stream checks every fp32 chunk)
-            base = _alloc_raw(g, kind, off, h5py.h5t.IEEE_F32LE)
+            base = alloc_raw(g, kind, off, h5py.h5t.IEEE_F32LE)
             if base is not None:
                 plan.append((base, kind, ts, 4 * off, torch.float32))
             if kind == "param" and lowp:
                 # Rounded like the engine's own fp32 -> bf16/fp16 working copy (round to nearest).
-                base = _alloc_raw(g, lowp, off, fmt.lowp_h5type(lowp))
+                base = alloc_raw(g, lowp, off, fmt.lowp_h5type(lowp))
                 if base is not None:
                     plan.append((base, lowp, ts, 2 * off, torch.bfloat16 if lowp == "param_bf16" else torch.float16))
-        opt = f.create_group("optimizer")
-        opt.attrs["steps"] = json.dumps({k: int(v) for k, v in state["steps"].items()})
-        opt.attrs["param_groups"] = json.dumps(state["param_groups"])
-        rng = _rng_state()
-        rg = f.create_group("rng")
-        rg.create_dataset("torch", data=rng["torch"])
-        rg.create_dataset("numpy_keys", data=rng["numpy_keys"])
-        rg.attrs["numpy"], rg.attrs["python"] = rng["numpy"], rng["python"]
-        if rank == 0:
-            mg = f.create_group(fmt.MODULE_GROUP)
-            for name, t, role in module_tensors(engine):
-                arr = _storable(t)
-                d = mg.create_dataset(fmt.link_name(name), data=arr, shape=arr.shape, dtype=arr.dtype)
-                d.attrs.update({"name": name, "torch_dtype": str(t.dtype).replace("torch.", ""), "role": role})
-                module_info[name] = {"shape": list(arr.shape), "dtype": arr.dtype.str,
-                                     "torch_dtype": str(t.dtype).replace("torch.", ""),
-                                     "role": role, "link": fmt.link_name(name)}
-        summary = {"counters": dict(state["counters"]), "scaler": dict(state["scaler"])}
-    digest, size = _stream(path, plan, [p[0] for p in pieces])
+    digest, size = _stream(path, plan, [p[0] for p in header["pieces"]])
     del state, plan
-    return dict(summary, pieces=pieces, elements=off, module=module_info, digest=digest, size=size)
+    return dict(header["summary"], pieces=header["pieces"], elements=off, digest=digest, size=size,
+                module={n: module_entry(n, arr.shape, arr.dtype.str, td, role) for n, arr, td, role in module})

@@ -141,6 +141,7 @@ class ZeroEngine:
         self.skipped_steps = 0    # fp16 overflow skips
         self.last_grad_norm: float | None = None
         self._backward_pending = False
+        self._state_fence = None  # an asynchronous checkpoint still copying the state (checkpoint/staging.py)
         runtime.seed_everything(cfg.seed, self.rank)
         runtime.release_free_memory()
         watchdog.watch_engine(self)  # deadlines from cfg.comm; names the step on expiry
@@ -240,11 +241,19 @@ class ZeroEngine:
             clip_coef = clip / (norm + 1e-6)
             if clip_coef < 1.0:
                 coef = float(torch.tensor(clip_coef, dtype=torch.float32)) * coef
+        self._fence_state()
         self.optimizer.step(grad_coef=coef, used=used)
         self.param_store.after_update()  # sync: all-gather of the updated chunks
         self._zero_grads()
         self.global_steps += 1
         return True
+
+    def _fence_state(self) -> None:
+        """Before the master weights or moments change: wait until an asynchronous
+        checkpoint's snapshot has copied them (a no-op once it has)."""
+        fence, self._state_fence = self._state_fence, None
+        if fence is not None:
+            fence()
 
     def _grad_stats(self) -> tuple[float, list[bool]]:
         """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
@@ -291,10 +300,13 @@ class ZeroEngine:
 
     def gathered(self, params, modifier_rank: int | None = None):
         """Temporary full access (zerompi.GatheredParameters(..., engine=engine))."""
+        if modifier_rank is not None:
+            self._fence_state()
         return self.param_store.gathered(params, modifier_rank)
 
     def load_full_state_dict(self, state_dict: dict | None, strict: bool = True):
         """Full weights from rank 0's state_dict (others pass None), one tensor at a time."""
+        self._fence_state()
         return load_full.load_full_state_dict(self, state_dict, strict)
 
     def memory_report(self) -> dict[str, int]:
@@ -320,12 +332,14 @@ class ZeroEngine:
     STATE_KINDS = state_io.STATE_KINDS
 
     def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None,
-                        keep_last: int | None = None):
+                        keep_last: int | None = None, async_save: bool = False):
         """Atomic HDF5-sharded checkpoint (see docs/checkpoints.md); returns its path.
-        keep_last=K removes older checkpoints once this one is safely in place."""
+        keep_last=K removes older checkpoints once this one is safely in place.
+        async_save=True writes it in the background: zerompi.checkpoint.poll/flush publish it."""
         from .. import checkpoint
 
-        return checkpoint.save(self, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+        return checkpoint.save(self, directory, tag=tag, client_state=client_state, keep_last=keep_last,
+                               async_save=async_save)
 
     def load_checkpoint(self, directory, tag: str | None = None) -> dict | None:
         """Load the checkpoint `tag` (default: the 'latest' pointer) saved at any world
@@ -344,6 +358,7 @@ class ZeroEngine:
         return state_io.needed_pieces(self)
 
     def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
+        self._fence_state()
         state_io.import_state(self, fetch, steps, param_groups, scaler, counters)
 
     def full_grads(self) -> dict[str, torch.Tensor]:

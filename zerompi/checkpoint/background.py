@@ -1,0 +1,105 @@
+"""Where an asynchronous save's bytes are written: a thread per save in the rank, which
+copies the snapshot and then writes the file in the rank itself (writer "thread") or
+hands it to the rank's helper process (writer "process", writer_process.py).
+
+Either way the writer runs at a lower CPU priority than training (WRITER_NICE): when
+ranks use every core (a CPU run with ranks = cores) it takes a small share of the time
+it competes for, so the training steps around a background write stay close to their
+usual time and the write takes longer; with idle cores (a GPU node's host) it runs at
+full speed. It uses no MPI at all: everything collective stays on the training thread.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from .rankfile import write_staged
+from .writer_process import RemoteError, recv, send
+
+WRITER_KINDS = ("thread", "process")
+# CFS weights: nice 10 gets ~10% of a core next to one busy nice-0 thread.
+WRITER_NICE = int(os.environ.get("ZEROMPI_CHECKPOINT_WRITER_NICE", "10"))
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower this thread's priority (Linux: setpriority on a thread id is per thread).
+    Without privileges a priority never goes back up, hence a fresh thread per save."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError):
+        pass
+
+
+class ThreadWriter:
+    kind = "thread"
+
+    def write(self, path: str, job: dict, staging) -> tuple[str, int]:
+        _lower_priority(WRITER_NICE)
+        return write_staged(path, job, staging.array)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessWriter:
+    """The rank's helper process. Started on the training thread: PR_SET_PDEATHSIG fires
+    when the *thread* that started the helper ends, and that one lives as long as the rank."""
+
+    kind = "process"
+
+    def __init__(self, staging):
+        if staging.fd is None:
+            raise RuntimeError("checkpoint.writer = process needs memfd_create (Linux)")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zerompi.checkpoint.writer_process", str(staging.fd),
+             str(staging.nbytes), str(WRITER_NICE), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(staging.fd,), start_new_session=True)
+        self.fd = staging.fd
+
+    def write(self, path: str, job: dict, staging) -> tuple[str, int]:
+        try:
+            send(self.proc.stdin, (path, job))
+            reply = recv(self.proc.stdout)
+        except OSError:   # a broken pipe: the helper is gone
+            reply = None
+        if reply is None:
+            code = self.proc.wait()
+            raise RuntimeError(f"the checkpoint writer process ended (exit status {code})")
+        if reply[0] == "ok":
+            return reply[1], reply[2]
+        raise RemoteError(*reply[1:])
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+class SaveThread(threading.Thread):
+    """One save in the background: the snapshot's host copies (at normal priority: the
+    engine's next update waits for them), then the write. Never raises: the outcome
+    is read by the training thread (done, result, error)."""
+
+    def __init__(self, snapshot, writer, staging, path: str):
+        super().__init__(name="zerompi-ckpt-save", daemon=True)  # an exit never waits on an unpublished save
+        self.snapshot, self.writer, self.staging, self.path = snapshot, writer, staging, path
+        self.result = self.error = None
+        self.write_s = 0.0
+        self.finished = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def run(self) -> None:
+        try:
+            self.snapshot.copy()
+            self.snapshot.finish()
+            self.result = self.writer.write(self.path, self.snapshot.job, self.staging)
+        except BaseException as e:   # reported on every rank by the training thread
+            self.error = e
+        finally:
+            self.write_s = time.perf_counter() - self.t0
+            self.finished.set()

@@ -1,0 +1,88 @@
+"""The helper process of asynchronous saves with writer = "process": one per rank,
+started once, writing rank files from the rank's staging buffer (a memfd it maps).
+
+    python -m zerompi.checkpoint.writer_process FD NBYTES NICE PARENT_PID
+
+It imports numpy and h5py only (no torch, no MPI), runs at nice NICE, ignores the stop
+signals (its rank decides what happens to a save in flight), dies with its rank
+(PR_SET_PDEATHSIG), and ends when its stdin closes. Messages both ways are pickles
+behind an 8-byte length: (path, job) in, ("ok", digest, size) or ("error", exception
+class name, errno, text) out.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pickle
+import signal
+import struct
+import sys
+
+_LEN = struct.Struct("<Q")
+
+
+class RemoteError(Exception):
+    """An exception of the helper, as the rank sees it: the same class name and text
+    (so the message is the one a synchronous save gives), and its errno."""
+
+    def __init__(self, kind: str, errno: int | None, text: str):
+        super().__init__(text)
+        self.kind, self.errno = kind, errno
+
+
+def send(f, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_LEN.pack(len(data)) + data)
+    f.flush()
+
+
+def recv(f):
+    """The next message, or None at end of file."""
+    head = f.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack(head)
+    data = f.read(n)
+    return pickle.loads(data) if len(data) == n else None
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:   # the rank died before the call above
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    fd, nbytes, nice, parent = (int(x) for x in argv)
+    _die_with_parent(parent)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        os.nice(nice)
+    except OSError:
+        pass
+    import numpy as np
+
+    from .rankfile import write_staged
+
+    buf = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        msg = recv(stdin)
+        if msg is None:
+            return 0
+        path, job = msg
+        try:
+            digest, size = write_staged(path, job, buf)
+            reply = ("ok", digest, size)
+        except Exception as e:
+            reply = ("error", type(e).__name__, getattr(e, "errno", None), str(e))
+        send(stdout, reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
