@@ -178,3 +178,27 @@ def test_rotation_only_touches_checkpoints(ckpt_base, tmp_path):
     write_latest(str(d), "c")
     assert rotate(str(d), 1, "c") == ["a", "b"]
     assert sorted(os.listdir(d)) == ["c", "latest", "notes"]
+
+
+def test_missing_manifest_is_damage_and_resume_falls_back(tmp_path, capfd):
+    """A checkpoint directory without manifest.json (a half-copied or damaged one) is
+    skipped with the usual damage warning, and the run resumes from the newest one that
+    verifies: not "rank 0 cannot see checkpoint ..." (a filesystem diagnosis, no fall-back)."""
+    import torch
+
+    import zerompi
+    from zerompi.checkpoint.resume import ResumeError, resume
+
+    torch.manual_seed(0)
+    eng = zerompi.initialize(torch.nn.Linear(8, 4), {"stage": 1})
+    for step in (1, 2):
+        eng.save_checkpoint(tmp_path, tag=f"step_{step:07d}", client_state={"step": step})
+    os.unlink(tmp_path / "step_0000002" / fmt.MANIFEST)
+    client = resume(eng, eng.dims.world, tmp_path)
+    err = capfd.readouterr().err
+    assert client == {"step": 1}, err
+    assert f"WARNING: checkpoint {tmp_path / 'step_0000002'} is damaged and is skipped" in err, err
+    assert "manifest.json: missing" in err and "cannot see" not in err, err
+    assert f"RESUMING FROM AN OLDER CHECKPOINT, {tmp_path / 'step_0000001'}" in err, err
+    with pytest.raises(ResumeError, match="--resume_from step_0000002: .*manifest.json: missing"):
+        resume(eng, eng.dims.world, tmp_path, resume_from="step_0000002")

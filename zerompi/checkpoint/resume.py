@@ -7,8 +7,9 @@
   path) alone; otherwise the one `latest` names, then every other complete checkpoint,
   newest first. Every rank then checks that it can see the chosen one (a node-local
   or unmounted directory fails naming the ranks, instead of hanging or splitting).
-- A candidate that fails verification (load checks sizes and sha256 on all ranks) is
-  reported loudly and the next older one is tried; an explicit resume_from never falls
+- A candidate that fails verification (load checks sizes and checksums on all ranks),
+  or whose manifest.json is missing (rank 0 cannot see it either: damage, not a mount
+  problem), is reported loudly and the next older one is tried; an explicit resume_from never falls
   back. No checkpoint at all is said loudly too: the run starts fresh.
 - The optimizer hyper-parameters the checkpoint brings (betas, eps, weight_decay per
   parameter group) are compared with the config's: a difference is an error unless
@@ -42,9 +43,13 @@ def _say(world, msg: str) -> None:
 def _candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
     """(checkpoint paths to try in order, warnings). Runs on rank 0 only."""
     if resume_from:
-        for path in (resume_from, os.path.join(ckpt_dir, resume_from)):
+        paths = (resume_from, os.path.join(ckpt_dir, resume_from))
+        for path in paths:
             if os.path.isfile(os.path.join(path, fmt.MANIFEST)):
                 return [os.path.abspath(path)], []
+        for path in paths:
+            if os.path.isdir(path) and not os.path.exists(os.path.join(path, fmt.LATEST)):
+                raise ResumeError(f"--resume_from {resume_from}: {_no_manifest(path)}")
         tags = [t for _, t in dirs.list_checkpoints(ckpt_dir)] if os.path.isdir(ckpt_dir) else []
         raise ResumeError(f"--resume_from {resume_from}: no checkpoint there nor in {ckpt_dir} "
                           f"(checkpoints there: {', '.join(tags) or 'none'})")
@@ -62,6 +67,11 @@ def _candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
         if path not in out:
             out.append(path)
     return out, notes
+
+
+def _no_manifest(path: str) -> str:
+    return (f"{os.path.join(path, fmt.MANIFEST)}: missing (not a complete zerompi checkpoint: "
+            "damaged, or a save that never finished)")
 
 
 def _hyper(engine) -> list[dict]:
@@ -91,14 +101,18 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
 
     wanted = _hyper(engine)
     for i, path in enumerate(candidates):
-        # Rank 0 chose it; a rank that cannot even see it points at the filesystem.
+        # Rank 0 chose it; a rank that cannot even see it points at the filesystem. When
+        # rank 0 cannot either, the directory has no manifest: damaged, or a save that
+        # never finished, to be skipped like any other damage.
         blind = [r for r, _, _ in runtime.agree(
             world, None if os.path.isfile(os.path.join(path, fmt.MANIFEST)) else "blind")]
-        if blind:
+        if blind and blind[0] != 0:
             raise ResumeError(f"rank{'s' if len(blind) > 1 else ''} {', '.join(map(str, blind))} cannot see "
                               f"checkpoint {path}, which rank 0 chose: is the run directory on a "
                               "filesystem every node mounts?")
         try:
+            if blind:
+                raise CheckpointError(_no_manifest(path))
             client = engine.load_checkpoint(path)
         except CheckpointError as e:
             if resume_from:
