@@ -158,6 +158,15 @@ class Progress:
               + f" lr {rec['lr']:.2e} {tput} {self.mfu_label} {100 * rec['mfu']:.2f}%" + mem
               + f" eta {fmt_duration(self.eta(step))}", flush=True)
 
+    def note(self, message: str) -> None:
+        """One line from rank 0 between steps (above the bar, if there is one)."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(f"zerompi.train: {message}")
+        else:
+            print(f"zerompi.train: {message}", flush=True)
+
     def close(self, message: str) -> None:
         if self.active:
             if self.bar is not None:

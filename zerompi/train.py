@@ -51,6 +51,7 @@ from . import comm, runtime
 from .config import train as train_config
 from .runtime import rundir, watchdog
 from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
+from .checkpoint.trainer import TrainCheckpoints
 from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, split_tokens
 from .device import local_rank as node_local_rank
@@ -143,15 +144,6 @@ def _agreed_config(argv: list[str]):
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         print(f"zerompi.train: error{f' on rank {r}' if r else ''}: {msg}{more}", file=sys.stderr, flush=True)
     return None if errors else cfg
-
-
-def save(engine, ckpt_dir: Path, cfg, step: int, data: dict, model: dict) -> None:
-    """Checkpoint after `step` steps. The sampler is a pure function of (seed, step), so the
-    step *is* the data position; keep_last rotates old checkpoints once the new one is in place,
-    keeping at least 2: the newest is not yet known good until a later step was finite."""
-    engine.save_checkpoint(ckpt_dir, tag=f"step_{step:07d}", keep_last=cfg.keep_last and max(cfg.keep_last, 2) or None,
-                           client_state={"step": step, "tokens": step * cfg.global_batch * cfg.seq_len,
-                                         "data": data, "model": model, "config": to_dict(cfg)})
 
 
 def evaluate(engine, val_data, cfg, dims, device) -> float:
@@ -267,8 +259,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"zerompi.train: {note}", flush=True)
     dims.world.barrier()  # sync: run_dir exists before anyone writes to it
     progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
+    checkpoints = TrainCheckpoints(engine, ckpt_dir, cfg, progress.note)
+    try:
+        # The steps raise a JobError (a diverged run) on every rank together: the ranks still
+        # talk, so the background save in flight (of a good step) is finished and published.
+        # Any other exception ends the job without a collective; that save is never published.
+        code = _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, progress,
+                     checkpoints, ckpt_dir, start_step, flops_per_token, peak)
+    except runtime.JobError:
+        checkpoints.flush()
+        raise
+    return code
 
-    # ---------------------------------------------------------------- the loop
+
+def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, progress, checkpoints,
+          ckpt_dir, start_step, flops_per_token, peak) -> int:
+    B, T, G = cfg.global_batch, cfg.seq_len, engine.gradient_accumulation_steps
     engine.train()
     t_start = time.perf_counter()
     for step in range(start_step, cfg.max_steps):
@@ -314,19 +320,25 @@ def main(argv: list[str] | None = None) -> int:
                   "time": time.perf_counter() - t_start}
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or last):
             record["val_loss"] = evaluate(engine, val_data, cfg, dims, device)
-        progress.update(record)
 
+        checkpoints.poll()  # sync (while a save is in flight): publish it once every rank wrote
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
                 if dims.rank == 0:
                     print(f"zerompi.train: step {done} was not finite: no checkpoint", file=sys.stderr, flush=True)
-            else:
-                save(engine, ckpt_dir, cfg, done, data_state, model_state(gpt_cfg))  # sync: collective
+            else:  # sync: collective. The sampler is a pure function of (seed, step): the step is the data position
+                checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": data_state,
+                                        "model": model_state(gpt_cfg), "config": to_dict(cfg)}, final=bool(sig or last))
+        saved = checkpoints.take()
+        if saved:
+            record["checkpoints"] = saved
+        progress.update(record)
         if sig and not last:
             progress.close(f"{signal.Signals(int(sig)).name} received: checkpoint of step {done} "
                            f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
             return EXIT_STOPPED
 
+    checkpoints.flush()  # sync: a background save still in flight (the last step was not finite)
     progress.close(finish_message(cfg.max_steps, start_step, time.perf_counter() - t_start))
     return EXIT_OK
 

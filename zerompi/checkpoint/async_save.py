@@ -1,25 +1,30 @@
 """Asynchronous saves: the same checkpoint as saving.save, written in the background.
 
     save(engine, DIR, async_save=True)   # collective: snapshot, then training goes on
-    poll(engine)                         # collective, once per step: publish a finished one
-    flush(engine)                        # collective: wait for the save in flight, publish it
+    poll(engine)                         # collective, once per step: advance, publish
+    flush(engine)                        # collective: finish the save in flight, publish
 
 A save runs saving.start on every rank (arguments, rank 0's temporary directory), takes
-a Snapshot into the rank's staging buffer and returns; a SaveThread copies and writes
-this rank's file. Publication - the agreement that every rank wrote, index.h5, the
-manifest, the rename, `latest`, rotation (saving.finish) - happens only on the training
-thread, at a step boundary, under the watchdog, once every rank's write has finished:
-until then the checkpoint is a hidden .tmp-* directory that load, resume, inspect and
-rotation never see. At most one save is in flight; a save requested meanwhile first
-waits for it and publishes it, and says how long it waited.
+a Snapshot into the rank's staging buffer and returns. Then, each step advanced by a
+poll once every rank's part of it has finished:
+  write  every rank's background task copies the snapshot and writes its file;
+  meta   the ranks agree that all files are written (saving.agree_written: the piece
+         tables are exchanged, or everyone raises); rank 0's background task writes
+         index.h5 and manifest.json (about a second of HDF5 calls for a GPT-2-sized model,
+         which would otherwise stall every rank);
+  publish  rank 0 renames the directory to DIR/TAG and rewrites `latest` on the training
+         thread, at a step boundary, under the watchdog; the ranks agree on the outcome.
+Until then the checkpoint is a hidden .tmp-* directory that load, resume, inspect and
+rotation never see. At most one save is in flight: a save requested meanwhile first
+finishes and publishes it, and says how long it waited.
 
-A background write that fails (disk full, permissions) is seen by the next poll on
-every rank together and raised there as CheckpointError, with the message a synchronous
-save gives; the temporary directory is removed first. Ways a run ends: flush() at its
-end and on a stop signal; after an error every rank raised together (runtime.JobError,
-e.g. a diverged run) the ranks still talk, so flush() is still right; after any other
-exception nothing collective may run: the save in flight is simply never published and
-the next successful save's cleanup removes its directory.
+A background failure (disk full, permissions) is raised by the next poll on every rank
+together as CheckpointError, with the message a synchronous save gives, after rank 0
+removed the temporary directory. Ways a run ends: flush() at its end and on a stop
+signal; after an error every rank raised together (runtime.JobError, e.g. a diverged
+run) the ranks still talk, so flush() is still right; after any other exception nothing
+collective may run: the save in flight is never published, and the next successful
+save's cleanup removes its directory.
 """
 from __future__ import annotations
 
@@ -30,14 +35,16 @@ import weakref
 
 from ..runtime import watchdog
 from . import saving
-from .background import WRITER_KINDS, ProcessWriter, SaveThread, ThreadWriter
+from .background import WRITER_KINDS, ProcessWriter, Task, ThreadWriter, save_task
 from .staging import Snapshot, Staging
 
 
 class InFlight:
-    def __init__(self, start: dict, snapshot: Snapshot, thread: SaveThread, begin_s: float, waited_s: float):
-        self.start, self.snapshot, self.thread = start, snapshot, thread
-        self.stall_s, self.waited_s = begin_s, waited_s
+    def __init__(self, start: dict, snapshot: Snapshot, task: Task, stall_s: float, waited_s: float):
+        self.start, self.snapshot, self.task = start, snapshot, task
+        self.phase = "write"
+        self.stall_s, self.waited_s, self.write_s = stall_s, waited_s, 0.0
+        self.meta_err: str | None = None
 
 
 class AsyncSaver:
@@ -50,7 +57,7 @@ class AsyncSaver:
         self.engine = weakref.ref(engine)
         self.kind, self.staging, self.writer = writer, None, None
         self.inflight: InFlight | None = None
-        self.last: dict | None = None   # the last published save: path, tag, stall_s, write_s, waited_s
+        self.published: list[dict] = []   # path, tag, stall_s, write_s, waited_s of each published save
         atexit.register(_warn_unpublished, weakref.ref(self))
 
     def _prepare(self, engine, lowp: str | None) -> None:
@@ -75,51 +82,89 @@ class AsyncSaver:
         s = saving.start(engine, directory, tag, client_state, keep_last)
         self._prepare(engine, s["lowp"])
         snap = Snapshot(self.staging, engine, s["tag"])
-        thread = SaveThread(snap, self.writer, self.staging, s["path"])
+        task = save_task(snap, self.writer, self.staging, s["path"])
         engine._state_fence = snap.fence   # the next update waits for the copy
-        thread.start()
-        self.inflight = InFlight(s, snap, thread, time.perf_counter() - t1, waited)
+        task.start()
+        self.inflight = InFlight(s, snap, task, time.perf_counter() - t1, waited)
         return s["target"]
 
     def poll(self) -> dict | None:
         """Collective, cheap: one small all-reduce while a save is in flight, nothing
-        otherwise. Publishes the save once every rank's write finished (returns its
-        record), raises CheckpointError on every rank if any rank's write failed."""
+        otherwise. Advances the save once every rank's part of its current step is
+        done; returns its record when it was published."""
         f = self.inflight
         if f is None:
             return None
         t0 = time.perf_counter()
-        world = self.engine().dims.world
-        done = f.thread.finished.is_set()
-        running, = world.allreduce_scalars([0.0 if done else 1.0], op="max")
+        done = f.task is None or f.task.finished.is_set()
+        running, = self.engine().dims.world.allreduce_scalars([0.0 if done else 1.0], op="max")
         f.stall_s += time.perf_counter() - t0
-        return None if running else self._publish()
+        return None if running else self._advance()
 
     def flush(self) -> dict | None:
-        """Collective: wait for this rank's write, then publish (or raise) on every rank."""
-        if self.inflight is None:
-            return None
-        with watchdog.waiting("checkpoint background write"):
-            self.inflight.thread.finished.wait()
-        return self._publish()
+        """Collective: finish the save in flight and publish it (or raise, on every rank)."""
+        rec = None
+        while self.inflight is not None:
+            task = self.inflight.task
+            if task is not None:
+                with watchdog.waiting("checkpoint background write"):
+                    task.finished.wait()
+            rec = self._advance()
+        return rec
 
-    def _publish(self) -> dict:
+    def _advance(self) -> dict | None:
         f, engine = self.inflight, self.engine()
-        self.inflight = None
         t0 = time.perf_counter()
-        th, s = f.thread, f.start
+        try:
+            with watchdog.generous("checkpoint publish"):
+                rec = self._write_done(f, engine) if f.phase == "write" else self._publish(f, engine)
+        except BaseException:
+            self.inflight = None   # raised on every rank: nothing left to finish
+            raise
+        f.stall_s += time.perf_counter() - t0
+        if rec is not None:
+            rec["stall_s"] += time.perf_counter() - t0
+        return rec
+
+    def _write_done(self, f: InFlight, engine) -> None:
+        s, task = f.start, f.task
         info = err = None
-        if th.error is not None:
-            err = saving.write_error(th.error, s["path"], engine, s["lowp"])
+        if task.error is not None:
+            err = saving.write_error(task.error, s["path"], engine, s["lowp"])
         else:
             info = dict(f.snapshot.summary, pieces=f.snapshot.header["pieces"], elements=f.snapshot.elements,
-                        module=f.snapshot.module_info(), digest=th.result[0], size=th.result[1])
-        with watchdog.generous("checkpoint publish"):
-            path = saving.finish(engine, s, info, err)
-            write_s = max(engine.dims.world.allgather_object(th.write_s))
-        stall = f.stall_s + f.snapshot.fence_s + time.perf_counter() - t0
-        self.last = {"path": path, "tag": s["tag"], "stall_s": stall, "write_s": write_s, "waited_s": f.waited_s}
-        return self.last
+                        module=f.snapshot.module_info(), digest=task.result[0], size=task.result[1],
+                        write_s=task.seconds)
+        infos = saving.agree_written(engine, s, info, err)   # raises on every rank if any failed
+        f.write_s = max(i["write_s"] for i in infos)
+        f.phase, f.task = "meta", None
+        if engine.dims.world.rank == 0:
+            try:
+                manifest = saving.manifest_of(engine, s, infos)
+            except Exception as e:
+                f.meta_err = f"{type(e).__name__}: {e}"
+            else:
+                f.task = Task("zerompi-ckpt-meta", lambda: self.writer.write_meta(s["tmp"], manifest))
+                f.task.start()
+        return None
+
+    def _publish(self, f: InFlight, engine) -> dict:
+        err = f.meta_err
+        if f.task is not None and f.task.error is not None:
+            e = f.task.error
+            err = f"{getattr(e, 'kind', type(e).__name__)}: {e}"
+        path = saving.publish(engine, f.start, err)
+        self.inflight = None
+        rec = {"path": path, "tag": f.start["tag"], "stall_s": f.stall_s + f.snapshot.fence_s,
+               "write_s": f.write_s, "waited_s": f.waited_s}
+        self.published.append(rec)
+        return rec
+
+    def drain(self) -> list[dict]:
+        """The saves published since the last call (a save that waited for the one
+        before published that one itself)."""
+        out, self.published = self.published, []
+        return out
 
     def close(self) -> None:
         """Free the staging buffer and the writer (no save may be in flight)."""

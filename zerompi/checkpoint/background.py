@@ -1,6 +1,7 @@
 """Where an asynchronous save's bytes are written: a thread per save in the rank, which
 copies the snapshot and then writes the file in the rank itself (writer "thread") or
-hands it to the rank's helper process (writer "process", writer_process.py).
+hands it to the rank's helper process (writer "process", writer_process.py); the same
+for rank 0's index.h5 and manifest once every rank's file is written.
 
 Either way the writer runs at a lower CPU priority than training (WRITER_NICE): when
 ranks use every core (a CPU run with ranks = cores) it takes a small share of the time
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 
+from .index import write_metadata
 from .rankfile import write_staged
 from .writer_process import RemoteError, recv, send
 
@@ -34,11 +36,17 @@ def _lower_priority(nice: int) -> None:
 
 
 class ThreadWriter:
+    """Writes in the calling (background) thread itself, at low priority."""
+
     kind = "thread"
 
     def write(self, path: str, job: dict, staging) -> tuple[str, int]:
         _lower_priority(WRITER_NICE)
         return write_staged(path, job, staging.array)
+
+    def write_meta(self, tmp: str, manifest: dict) -> None:
+        _lower_priority(WRITER_NICE)
+        write_metadata(tmp, manifest)
 
     def close(self) -> None:
         pass
@@ -46,31 +54,37 @@ class ThreadWriter:
 
 class ProcessWriter:
     """The rank's helper process. Started on the training thread: PR_SET_PDEATHSIG fires
-    when the *thread* that started the helper ends, and that one lives as long as the rank."""
+    when the *thread* that started the helper ends, and that one lives as long as the
+    rank. One request at a time (the save protocol never has two)."""
 
     kind = "process"
 
     def __init__(self, staging):
         if staging.fd is None:
-            raise RuntimeError("checkpoint.writer = process needs memfd_create (Linux)")
+            raise RuntimeError("checkpoint writer = process needs memfd_create (Linux)")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "zerompi.checkpoint.writer_process", str(staging.fd),
              str(staging.nbytes), str(WRITER_NICE), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(staging.fd,), start_new_session=True)
-        self.fd = staging.fd
 
-    def write(self, path: str, job: dict, staging) -> tuple[str, int]:
+    def _ask(self, request):
         try:
-            send(self.proc.stdin, (path, job))
+            send(self.proc.stdin, request)
             reply = recv(self.proc.stdout)
         except OSError:   # a broken pipe: the helper is gone
             reply = None
         if reply is None:
             code = self.proc.wait()
             raise RuntimeError(f"the checkpoint writer process ended (exit status {code})")
-        if reply[0] == "ok":
-            return reply[1], reply[2]
-        raise RemoteError(*reply[1:])
+        if reply[0] == "error":
+            raise RemoteError(*reply[1:])
+        return reply[1]
+
+    def write(self, path: str, job: dict, staging) -> tuple[str, int]:
+        return self._ask(("rank", path, job))
+
+    def write_meta(self, tmp: str, manifest: dict) -> None:
+        self._ask(("meta", tmp, manifest))
 
     def close(self) -> None:
         try:
@@ -80,26 +94,32 @@ class ProcessWriter:
             self.proc.kill()
 
 
-class SaveThread(threading.Thread):
-    """One save in the background: the snapshot's host copies (at normal priority: the
-    engine's next update waits for them), then the write. Never raises: the outcome
-    is read by the training thread (done, result, error)."""
+class Task(threading.Thread):
+    """One background step of a save. Never raises: the training thread reads the
+    outcome (finished, result, error, seconds)."""
 
-    def __init__(self, snapshot, writer, staging, path: str):
-        super().__init__(name="zerompi-ckpt-save", daemon=True)  # an exit never waits on an unpublished save
-        self.snapshot, self.writer, self.staging, self.path = snapshot, writer, staging, path
-        self.result = self.error = None
-        self.write_s = 0.0
+    def __init__(self, name: str, fn):
+        super().__init__(name=name, daemon=True)  # an exit never waits on an unpublished save
+        self.fn, self.result, self.error = fn, None, None
+        self.seconds = 0.0
         self.finished = threading.Event()
-        self.t0 = time.perf_counter()
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         try:
-            self.snapshot.copy()
-            self.snapshot.finish()
-            self.result = self.writer.write(self.path, self.snapshot.job, self.staging)
+            self.result = self.fn()
         except BaseException as e:   # reported on every rank by the training thread
             self.error = e
         finally:
-            self.write_s = time.perf_counter() - self.t0
+            self.seconds = time.perf_counter() - t0
             self.finished.set()
+
+
+def save_task(snapshot, writer, staging, path: str) -> Task:
+    """A rank's background save: the snapshot's host copies (at normal priority: the
+    engine's next update waits for them), then the file."""
+    def run():
+        snapshot.copy()
+        snapshot.finish()
+        return writer.write(path, snapshot.job, staging)
+    return Task("zerompi-ckpt-save", run)

@@ -50,8 +50,8 @@ def publish(directory: str, tmp: str, tag: str) -> str:
     os.rename(tmp, final)
     fsync_path(directory)
     write_latest(directory, tag)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    if old:  # as rotate(background=True): the caller need not wait for GBs to be freed
+        threading.Thread(target=shutil.rmtree, args=(old, True), name="zerompi-rotate").start()
     return final
 
 

@@ -13,11 +13,13 @@ readers must verify first (zerompi.inspect --verify, zerompi.checkpoint.verify_c
 """
 from __future__ import annotations
 
+import json
 import os
 
 import h5py
 import numpy as np
 
+from ..runtime.fileio import atomic_write
 from . import format as fmt
 
 
@@ -90,3 +92,13 @@ def write_index(path: str, manifest: dict) -> None:
                     ds = h5py.h5d.create(g.id, t["link"].encode(), r0[src].id.get_type(),
                                          _space(t["shape"]), dcpl=dcpl)
                     h5py.Dataset(ds).attrs["name"] = name
+
+
+def write_metadata(tmp: str, manifest: dict) -> None:
+    """index.h5 and manifest.json of a checkpoint whose rank files are all in `tmp`,
+    fsynced (the manifest records the index's size and checksum, so it comes last)."""
+    index_path = os.path.join(tmp, fmt.INDEX)
+    write_index(index_path, manifest)
+    digest, size = fmt.fsync_and_hash(index_path)
+    manifest["index"] = {"file": fmt.INDEX, "size": size, "digest": digest}
+    atomic_write(os.path.join(tmp, fmt.MANIFEST), json.dumps(fmt.seal(manifest), indent=1))

@@ -35,10 +35,9 @@ import h5py
 import torch
 
 from .. import runtime
-from ..runtime.fileio import atomic_write
 from . import directory as dirs
 from . import format as fmt
-from .index import write_index
+from .index import write_metadata
 from .verify import check_coverage
 from .writer import model_tensors, rank_file_bytes, write_rank_file
 
@@ -106,7 +105,8 @@ def write_error(e: Exception, path: str, engine, lowp: str | None) -> str:
     except OSError:
         pass
     hint = space_hint(e, path, rank_file_bytes(engine, lowp), engine.dims.world.size)
-    return f"{path}: {type(e).__name__}: {e}" + hint
+    name = getattr(e, "kind", type(e).__name__)   # a helper process's error: its own class name
+    return f"{path}: {name}: {e}" + hint
 
 
 def start(engine, directory, tag: str | None, client_state: dict | None, keep_last: int | None) -> dict:
@@ -143,48 +143,67 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
             "path": os.path.join(tmp, fmt.rank_file(comm.rank))}
 
 
-def finish(engine, s: dict, info: dict | None, err: str | None) -> str:
-    """Steps 4-5 (collective), once every rank wrote its file (info) or failed (err):
-    agree, then rank 0 writes index.h5 and the manifest and publishes; all ranks
-    return the path or raise together."""
-    comm, directory, tmp, tag, target = engine.dims.world, s["directory"], s["tmp"], s["tag"], s["target"]
+def agree_written(engine, s: dict, info: dict | None, err: str | None) -> list[dict]:
+    """Step 4 (collective), once every rank wrote its file (info) or failed (err): on any
+    failure rank 0 removes the temporary directory and every rank raises; else every
+    rank gets every rank's info (the piece tables: every file is durable from here on)."""
+    comm = engine.dims.world
     comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
     if runtime.agree(comm, err):
         # Nobody raises before rank 0 has removed the temporary directory: an uncaught
         # error on another rank aborts the job, which would kill rank 0 mid-cleanup and
         # leave the partial checkpoint filling the disk.
         if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(s["tmp"], ignore_errors=True)
         comm.barrier()
-        fmt.raise_agreed(comm, err, f"save_checkpoint to {target} (nothing was written; "
+        fmt.raise_agreed(comm, err, f"save_checkpoint to {s['target']} (nothing was written; "
                                     f"the previous checkpoint is untouched)")
-    infos = comm.allgather_object(info)  # every rank file is durable from here on
+    return comm.allgather_object(info)
 
-    err = None
+
+def manifest_of(engine, s: dict, infos: list[dict]) -> dict:
+    """Rank 0: the manifest of the files written, checked: never publish what load would reject."""
+    manifest = _build_manifest(engine, s["tag"], infos, s["client_json"], s["lowp"])
+    gaps = check_coverage(manifest)
+    if gaps:
+        raise RuntimeError("exported pieces do not cover the model: " + "; ".join(gaps[:4]))
+    return manifest
+
+
+def publish(engine, s: dict, err: str | None) -> str:
+    """Step 5's end (collective): rank 0 moves the finished temporary directory to DIR/TAG
+    and rewrites DIR/latest, unless `err` (rank 0's index or manifest failed); the ranks
+    agree on the outcome, so all of them return the path or raise together."""
+    comm, directory, target = engine.dims.world, s["directory"], s["target"]
     if comm.rank == 0:
-        try:
-            manifest = _build_manifest(engine, tag, infos, s["client_json"], s["lowp"])
-            gaps = check_coverage(manifest)  # never publish what load would reject
-            if gaps:
-                raise RuntimeError("exported pieces do not cover the model: " + "; ".join(gaps[:4]))
-            index_path = os.path.join(tmp, fmt.INDEX)
-            write_index(index_path, manifest)
-            digest, size = fmt.fsync_and_hash(index_path)
-            manifest["index"] = {"file": fmt.INDEX, "size": size, "digest": digest}
-            atomic_write(os.path.join(tmp, fmt.MANIFEST), json.dumps(fmt.seal(manifest), indent=1))
-            dirs.publish(directory, tmp, tag)
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            err = f"{type(e).__name__}: {e}"
+        if err is None:
+            try:
+                dirs.publish(directory, s["tmp"], s["tag"])
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+        if err is not None:
+            shutil.rmtree(s["tmp"], ignore_errors=True)
         else:
             try:  # housekeeping: the checkpoint is already published, so only warn
                 dirs.cleanup(directory)
-                dirs.rotate(directory, s["keep_last"], tag, background=True)
+                dirs.rotate(directory, s["keep_last"], s["tag"], background=True)
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
-    comm.barrier(poll=True)  # rank 0 writes index.h5 and the manifest alone meanwhile
-    fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's publish outcome
+    comm.barrier(poll=True)  # rank 0 publishes alone meanwhile
+    fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's outcome
     return target
+
+
+def finish(engine, s: dict, info: dict | None, err: str | None) -> str:
+    """Steps 4-5 of a synchronous save (collective)."""
+    infos = agree_written(engine, s, info, err)
+    err = None
+    if engine.dims.world.rank == 0:
+        try:
+            write_metadata(s["tmp"], manifest_of(engine, s, infos))
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+    return publish(engine, s, err)
 
 
 def save(engine, directory, tag: str | None = None, client_state: dict | None = None,

@@ -6,8 +6,8 @@ started once, writing rank files from the rank's staging buffer (a memfd it maps
 It imports numpy and h5py only (no torch, no MPI), runs at nice NICE, ignores the stop
 signals (its rank decides what happens to a save in flight), dies with its rank
 (PR_SET_PDEATHSIG), and ends when its stdin closes. Messages both ways are pickles
-behind an 8-byte length: (path, job) in, ("ok", digest, size) or ("error", exception
-class name, errno, text) out.
+behind an 8-byte length: ("rank", path, job) or ("meta", tmp, manifest) in,
+("ok", result) or ("error", exception class name, errno, text) out.
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def main(argv: list[str]) -> int:
         pass
     import numpy as np
 
+    from .index import write_metadata
     from .rankfile import write_staged
 
     buf = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
@@ -75,10 +76,9 @@ def main(argv: list[str]) -> int:
         msg = recv(stdin)
         if msg is None:
             return 0
-        path, job = msg
+        what, path, arg = msg
         try:
-            digest, size = write_staged(path, job, buf)
-            reply = ("ok", digest, size)
+            reply = ("ok", write_staged(path, arg, buf) if what == "rank" else write_metadata(path, arg))
         except Exception as e:
             reply = ("error", type(e).__name__, getattr(e, "errno", None), str(e))
         send(stdout, reply)

@@ -59,6 +59,26 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """How `python -m zerompi.train` writes run_dir/checkpoints (when: checkpoint_interval;
+    how many are kept: keep_last). docs/checkpoints.md, "Asynchronous saves"."""
+
+    async_save: bool = True
+    """Interval checkpoints are snapshotted into a host buffer (pinned on a GPU, one more
+    copy of this rank's optimizer state in host memory) and written in the background
+    while training goes on; each is published at a later step boundary once every rank
+    wrote its file. false: every save blocks all ranks until it is written. The final
+    and stop-signal checkpoints are always written at once."""
+    writer: str = "thread"
+    """thread | process: where the background write runs, a low-priority thread of the
+    rank or a helper process per rank (benchmarks/bench_async_checkpoint.py compares them)."""
+
+    def __post_init__(self) -> None:
+        if self.writer not in ("thread", "process"):
+            fail("writer", self.writer, "must be thread or process")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs. The engine's settings live in `zero`."""
 
@@ -122,6 +142,7 @@ class TrainConfig:
     """auto | bar | lines | none. auto: rank 0 draws a bar with ETA and tokens/s when its
     stdout reaches a terminal (also through mpiexec), else prints plain lines with the
     time left (Slurm logs, pipes); see zerompi/progress.py."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
@@ -211,4 +232,4 @@ def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     return lines
 
 
-__all__ = ["ModelConfig", "TrainConfig", "load", "from_argv", "describe"]
+__all__ = ["CheckpointConfig", "ModelConfig", "TrainConfig", "load", "from_argv", "describe"]
