@@ -9,6 +9,15 @@ names at least the last checkpoint the child reported as saved.
 
 --mpi (under mpiexec): the same child loop on N ranks; prints "ready step S" once the
 load is done and "saved TAG" after each save. --once: load, save once, exit.
+
+--async: every save is asynchronous (--writer thread|process), one per step, so a
+background write is nearly always in flight (each save waits for the one before); the
+child also reports "begun TAG" when a save starts, and "saved TAG" once it is published
+(by the next step's poll or by the save that waited for it). The parent then also checks
+that every visible checkpoint verifies and that latest names a save that was begun and
+is not older than the last one reported published: nothing unpublished is ever loaded.
+--kill-rank R (with --mpi): rank R SIGKILLs itself after a random delay (--max-delay,
+--seed) once ready, as a single node failure would; the launcher then ends the job.
 """
 import argparse
 import json
@@ -16,12 +25,13 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 
 import torch  # noqa: F401  (imported before fork: children start warm)
 
 import zerompi
-from zerompi.checkpoint import CheckpointError, save, verify_checkpoint
+from zerompi.checkpoint import CheckpointError, flush, poll, save, verify_checkpoint
 from common import global_batch, make_model, micro_slices, vocab_of
 
 ap = argparse.ArgumentParser()
@@ -32,6 +42,9 @@ ap.add_argument("--mpi", action="store_true")
 ap.add_argument("--once", action="store_true")
 ap.add_argument("--max-delay", type=float, default=0.4)
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--async", dest="async_", action="store_true")
+ap.add_argument("--writer", default="thread")
+ap.add_argument("--kill-rank", type=int, default=-1)
 a = ap.parse_args()
 
 
@@ -46,6 +59,16 @@ def child(report, once: bool) -> None:
         os._exit(3)
     step = cs["data_step"] if cs else 0
     report(f"ready {step}")
+    if a.kill_rank == rank:   # a node failure at a random moment from here on
+        t = threading.Timer(random.Random(a.seed).uniform(0, a.max_delay), os.kill, (os.getpid(), signal.SIGKILL))
+        t.daemon = True
+        t.start()
+
+    def published():
+        saver = getattr(engine, "_async_saver", None)
+        for rec in saver.drain() if saver is not None else []:
+            report(f"saved {rec['tag']}")
+
     while True:
         x, y = global_batch(step, 4, 16, vocab_of(engine.module))
         sl = micro_slices(4, 1, rank, N)[0]
@@ -53,6 +76,18 @@ def child(report, once: bool) -> None:
         engine.backward(loss)
         engine.step()
         step += 1
+        if a.async_:
+            poll(engine)
+            published()
+            path = save(engine, a.dir, client_state={"data_step": step}, keep_last=2, async_save=True,
+                        writer=a.writer)
+            report(f"begun {os.path.basename(path)}")
+            published()
+            if once:
+                flush(engine)
+                published()
+                return
+            continue
         path = save(engine, a.dir, client_state={"data_step": step}, keep_last=2)
         report(f"saved {os.path.basename(path)}")
         if once:
@@ -72,8 +107,12 @@ def spawn(once: bool):
         os.close(r)
         try:
             child(lambda msg: os.write(w, (msg + "\n").encode()), once)
-        finally:
-            os._exit(0)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
     os.close(w)
     return pid, r
 
@@ -85,6 +124,8 @@ _, status = os.waitpid(pid, 0)
 os.close(r)
 if status != 0:
     sys.exit(f"initial save failed (status {status})")
+m = verify_checkpoint(a.dir)
+ever, expect = {m["tag"]}, m["client_state"]["data_step"]   # tags published so far; the next child's step
 for trial in range(a.fork):
     pid, r = spawn(once=False)
     stream = os.fdopen(r)
@@ -97,10 +138,16 @@ for trial in range(a.fork):
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    saved = [ln.split()[1] for ln in stream.read().splitlines() if ln.startswith("saved")]
+    lines = stream.read().splitlines()
+    saved = [ln.split()[1] for ln in lines if ln.startswith("saved")]
+    begun = {ln.split()[1] for ln in lines if ln.startswith("begun")}
     stream.close()
     try:
         m = verify_checkpoint(a.dir)
+        # every checkpoint that load or resume could pick verifies (none half-written)
+        for e in os.listdir(a.dir):
+            if not e.startswith(".") and os.path.isdir(os.path.join(a.dir, e)):
+                verify_checkpoint(os.path.join(a.dir, e))
     except CheckpointError as e:
         print(f"trial {trial}: after a kill {delay:.3f}s in: {e}")
         sys.exit(1)
@@ -108,7 +155,16 @@ for trial in range(a.fork):
     if saved and m["counters"]["global_steps"] < int(saved[-1].split("-")[1]):
         print(f"trial {trial}: latest is {m['tag']}, older than the reported {saved[-1]}")
         sys.exit(1)
+    if a.async_ and m["tag"] not in ever | begun:
+        print(f"trial {trial}: latest is {m['tag']}, which was never saved")
+        sys.exit(1)
+    if int(first.split()[1]) != expect:   # the child loaded what latest named
+        print(f"trial {trial}: resumed at {first}, latest was at step {expect}")
+        sys.exit(1)
+    ever |= set(saved) | {m["tag"]}
+    expect = m["client_state"]["data_step"]
     log.append({"delay": delay, "resumed_at": int(first.split()[1]), "saves": len(saved), "latest": m["tag"],
+                "published": saved, "begun": sorted(begun),
                 "leftovers": sorted(e for e in os.listdir(a.dir) if e.startswith("."))})
 with open(a.out, "w") as f:
     json.dump(log, f)
