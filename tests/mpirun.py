@@ -79,12 +79,12 @@ def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
 
 
 @contextlib.contextmanager
-def running_job(cmd: list[str], ready, timeout: float = 60):
+def running_job(cmd: list[str], ready, timeout: float = 60, env: dict | None = None):
     """Start CMD (stdout and stderr merged) in its own process group and wait until
     `ready()` holds; yield the Popen for the test to signal. On exit the group is killed
     if it still runs, so a failed assertion leaves nothing behind."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=mpi_env(), start_new_session=True)
+                         env=mpi_env(env), start_new_session=True)
     try:
         t0 = time.monotonic()
         while not ready():

@@ -29,16 +29,21 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_disk_full_during_save_leaves_nothing_behind(small_fs, tmp_path):
-    """The filesystem fills up during the second save: every rank gets the error, which
-    names the file and the space needed; the first checkpoint stays, `latest` names it,
-    and no temporary directory is left."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_disk_full_during_save_leaves_nothing_behind(small_fs, tmp_path, mode):
+    """The filesystem fills up during the second save: every rank gets the error, the
+    same one message, which names the file and the space needed; the first checkpoint
+    stays, `latest` names it, and no temporary directory is left. async: the save is
+    written in the background while training goes on, and the failure surfaces at the
+    next step's poll, on every rank at the same step."""
     out = tmp_path / "out.json"
-    run_mpi(2, [str(WORKERS / "diskfull.py"), str(small_fs / "ck"), str(out)], timeout=90)
+    run_mpi(2, [str(WORKERS / "diskfull.py"), str(small_fs / "ck"), str(out), mode], timeout=90)
     import json
 
     res = json.loads(out.read_text())
-    assert all(e is not None for e in res["errors"]), res
+    assert all(e is not None for e in res["errors"]) and len(set(res["errors"])) == 1, res
+    if mode == "async":
+        assert len(set(res["steps"])) == 1 and res["steps"][0] is not None, res["steps"]
     msg = res["errors"][0]
     assert "rank-0000" in msg and ".h5" in msg and "out of space" in msg and "MiB free there now" in msg, msg
     assert "needs about" in msg and "the previous checkpoint is untouched" in msg

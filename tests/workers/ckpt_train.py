@@ -10,11 +10,16 @@ with plan steps
   ["save_type_error", dir]   a non-JSON client_state: expect TypeError on EVERY rank
   ["dump", file]             rank 0 writes full_state_dict() to an HDF5 file
   ["rng", key]               record torch/numpy/python random draws of every rank
+  ["save_async", dir, tag]   asynchronous save (writer thread); the write goes on meanwhile
+  ["flush"]                  zerompi.checkpoint.flush: publish the save in flight
+  ["slow_copy", s]           from now on each snapshot's host copy starts s seconds late,
+                             so the steps after an asynchronous save must wait for it
 Rank 0 writes {"runs": [[outcome per step]]} to --out.
 """
 import argparse
 import json
 import random
+import time
 
 import h5py
 import numpy as np
@@ -24,6 +29,7 @@ from mpi4py import MPI
 import zerompi
 import zerompi.checkpoint
 from zerompi.checkpoint import CheckpointError
+from zerompi.checkpoint.staging import Snapshot
 from common import global_batch, make_model, micro_slices, vocab_of
 
 ap = argparse.ArgumentParser()
@@ -80,6 +86,17 @@ for spec in runs:
             except TypeError as e:
                 msg = str(e)
             out.append({"errors": world.allgather(msg)})
+        elif op == "save_async":
+            path = zerompi.checkpoint.save(engine, action[1], tag=action[2], async_save=True,
+                                           client_state={"data_step": data_step, "note": "ckpt test"})
+            out.append({"path": path})
+        elif op == "flush":
+            rec = zerompi.checkpoint.flush(engine)
+            out.append({"published": rec and rec["path"]})
+        elif op == "slow_copy":
+            copy = Snapshot.copy
+            Snapshot.copy = lambda self, _c=copy, _s=action[1]: (time.sleep(_s), _c(self))[1]
+            out.append({})
         elif op == "load":
             cs = engine.load_checkpoint(action[1], tag=action[2])
             data_step = cs["data_step"]

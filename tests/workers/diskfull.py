@@ -1,7 +1,9 @@
 """Disk full during a save (tests/test_reliability.py): DIR is on a small tmpfs. Save
 checkpoint a, then rank 0 fills the filesystem until half of a's size is left, train
 a step and save b: every rank must get CheckpointError, DIR must hold a (intact) and no
-temporary directory. argv: DIR OUT."""
+temporary directory. argv: DIR OUT [sync|async]. async: b is written in the background
+while training goes on; the failure must surface in the same step's poll on every rank.
+"""
 import json
 import os
 import sys
@@ -10,9 +12,10 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from zerompi.checkpoint import CheckpointError, verify_checkpoint
+from zerompi.checkpoint import CheckpointError, poll, verify_checkpoint
 
 d, out = sys.argv[1], sys.argv[2]
+mode = sys.argv[3] if len(sys.argv) > 3 else "sync"
 world = MPI.COMM_WORLD
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
@@ -34,14 +37,17 @@ if world.rank == 0:
         f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - size // 2))
 world.Barrier()
 step()
+err, at = None, None
 try:
-    engine.save_checkpoint(d, tag="b")
-    err = None
+    engine.save_checkpoint(d, tag="b", async_save=mode == "async")
+    for at in range(50):   # async: training goes on; a poll per step
+        step()
+        poll(engine)
 except CheckpointError as e:
     err = str(e)
-errs = world.gather(err)
+errs, ats = world.gather(err), world.gather(at)
 if world.rank == 0:
     verify_checkpoint(d)  # latest -> a, complete
     with open(out, "w") as f:
-        json.dump({"errors": errs, "listing": sorted(os.listdir(d)), "size_a": size,
+        json.dump({"errors": errs, "steps": ats, "listing": sorted(os.listdir(d)), "size_a": size,
                    "latest": open(os.path.join(d, "latest")).read().strip()}, f)

@@ -1,0 +1,30 @@
+"""`python -m zerompi.train` with faults patched in, for the exits of asynchronous saves
+(tests/test_checkpoint_async_train.py). Environment:
+  ZEROMPI_TEST_SLOW_WRITE=s   each background rank-file write starts s seconds late, so a
+                              save stays in flight for several steps
+  ZEROMPI_TEST_RAISE_AT=R:S   rank R raises RuntimeError in engine.step() once S optimizer
+                              steps are done (an exception on one rank)
+"""
+import os
+import sys
+import time
+
+import zerompi.train
+from zerompi.checkpoint import background
+from zerompi.zero.engine import ZeroEngine
+
+slow = float(os.environ.get("ZEROMPI_TEST_SLOW_WRITE", "0"))
+if slow:
+    write = background.write_staged
+    background.write_staged = lambda *a, **k: (time.sleep(slow), write(*a, **k))[1]
+if os.environ.get("ZEROMPI_TEST_RAISE_AT"):
+    rank, at = (int(x) for x in os.environ["ZEROMPI_TEST_RAISE_AT"].split(":"))
+    step = ZeroEngine.step
+
+    def failing(self):
+        if self.dims.world.rank == rank and self.global_steps == at:
+            raise RuntimeError(f"test fault on rank {rank} after step {at}")
+        return step(self)
+    ZeroEngine.step = failing
+
+sys.exit(zerompi.train.main())
