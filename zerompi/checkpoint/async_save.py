@@ -37,6 +37,7 @@ from ..runtime import watchdog
 from . import saving
 from .background import WRITER_KINDS, ProcessWriter, Task, ThreadWriter, save_task
 from .staging import Snapshot, Staging
+from .writer import module_tensors
 
 
 class InFlight:
@@ -60,11 +61,11 @@ class AsyncSaver:
         self.published: list[dict] = []   # path, tag, stall_s, write_s, waited_s of each published save
         atexit.register(_warn_unpublished, weakref.ref(self))
 
-    def _prepare(self, engine, lowp: str | None) -> None:
-        if self.staging is not None and self.staging.fits(engine, lowp):
+    def _prepare(self, engine, lowp: str | None, mods: list) -> None:
+        if self.staging is not None and self.staging.fits(engine, lowp, mods):
             return
         self.close()
-        self.staging = Staging(engine, lowp)
+        self.staging = Staging(engine, lowp, mods)
         self.writer = ProcessWriter(self.staging) if self.kind == "process" else ThreadWriter()
 
     def begin(self, directory, tag, client_state, keep_last) -> str:
@@ -80,8 +81,9 @@ class AsyncSaver:
                          f"{tag or f'step-{engine.global_steps}'} (at most one save is in flight)")
         t1 = time.perf_counter()
         s = saving.start(engine, directory, tag, client_state, keep_last)
-        self._prepare(engine, s["lowp"])
-        snap = Snapshot(self.staging, engine, s["tag"])
+        mods = module_tensors(engine)   # frozen parameters and buffers: (name, tensor, role)
+        self._prepare(engine, s["lowp"], mods)
+        snap = Snapshot(self.staging, engine, s["tag"], mods)
         task = save_task(snap, self.writer, self.staging, s["path"])
         engine._state_fence = snap.fence   # the next update waits for the copy
         task.start()
@@ -106,8 +108,8 @@ class AsyncSaver:
         rec = None
         while self.inflight is not None:
             task = self.inflight.task
-            if task is not None:
-                with watchdog.waiting("checkpoint background write"):
+            if task is not None:   # the deadline of saves (startup_timeout_s), as for a synchronous one
+                with watchdog.generous("checkpoint save"), watchdog.waiting("checkpoint background write"):
                     task.finished.wait()
             rec = self._advance()
         return rec

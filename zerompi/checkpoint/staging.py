@@ -22,7 +22,7 @@ import time
 import torch
 
 from .rankfile import ALIGN
-from .writer import header_of, module_tensors
+from .writer import header_of
 
 
 def _store_dtype(t: torch.Tensor) -> torch.dtype:
@@ -30,7 +30,7 @@ def _store_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
 
 
-def _layout(engine, lowp: str | None) -> tuple[list, list, int]:
+def _layout(engine, lowp: str | None, mods: list) -> tuple[list, list, int]:
     """(datasets [(kind, elements, byte offset, 'f4' | lowp kind)], module [(name, torch
     dtype, role, shape, numpy dtype, byte offset)], bytes): every region starts on an
     ALIGN boundary, so it can go to disk with O_DIRECT."""
@@ -48,7 +48,7 @@ def _layout(engine, lowp: str | None) -> tuple[list, list, int]:
         datasets.append((lowp, n, take(2 * n), lowp))
     module = []
     if engine.dims.world.rank == 0:
-        for name, t, role in module_tensors(engine):
+        for name, t, role in mods:
             store = _store_dtype(t)
             size = t.numel() * torch.empty(0, dtype=store).element_size()
             module.append((name, str(t.dtype).replace("torch.", ""), role, list(t.shape),
@@ -60,16 +60,16 @@ class Staging:
     """One rank's staging buffer; reused by every save of the engine (reallocated only
     if what a checkpoint holds changes shape, e.g. a buffer that was resized)."""
 
-    def __init__(self, engine, lowp: str | None):
-        self.datasets, self.module, self.nbytes = _layout(engine, lowp)
+    def __init__(self, engine, lowp: str | None, mods: list):
+        self.datasets, self.module, self.nbytes = _layout(engine, lowp, mods)
         self.lowp = lowp
         self.placement = engine.state.placement
         self.mem, self.fd = self.placement.host_staging(self.nbytes)
         self.array = self.mem.numpy()
         self.stream = torch.cuda.Stream(self.placement.device) if self.placement.is_cuda else None
 
-    def fits(self, engine, lowp: str | None) -> bool:
-        return lowp == self.lowp and _layout(engine, lowp) == (self.datasets, self.module, self.nbytes)
+    def fits(self, engine, lowp: str | None, mods: list) -> bool:
+        return lowp == self.lowp and _layout(engine, lowp, mods) == (self.datasets, self.module, self.nbytes)
 
     def view(self, off: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.empty(0, dtype=dtype).element_size()
@@ -93,7 +93,7 @@ class Snapshot:
     does the host copies; fence() (the training thread, before the engine changes its
     state) waits for them; finish() (the save's thread) completes the low-precision copy."""
 
-    def __init__(self, staging: Staging, engine, tag: str):
+    def __init__(self, staging: Staging, engine, tag: str, mods: list):
         state = engine.export_state(views=True)
         self.header = header_of(engine, tag, state)
         self.summary = self.header.pop("summary")
@@ -108,9 +108,9 @@ class Snapshot:
                 pair = (staging.view(pos, t.numel(), torch.float32), t.reshape(-1))
                 (device if t.is_cuda else self.host).append(pair)
                 pos += 4 * t.numel()
-        mods = {name: (t, role) for name, t, role in module_tensors(engine)}
+        tensors = {name: t for name, t, _ in mods}
         for name, _, role, shape, _, off in staging.module:
-            t, _ = mods[name]
+            t = tensors[name]
             dst = staging.view(off, t.numel(), _store_dtype(t))
             if role == "buffer":
                 later.append((dst, t.reshape(-1)))  # a forward may change it: copied now

@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Asynchronous vs synchronous checkpoints while training: stall per save and step time.
+
+Worker mode (one job = one N x stage; it interleaves every kind of save):
+
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_async_checkpoint.py --stage 2 \
+        --dir /tmp/zerompi-asyncbench/ck --out r.json
+
+Driver mode (N = 2, 4 x stages 1-3, one mpiexec each; merged JSON):
+
+    python benchmarks/bench_async_checkpoint.py --driver --machine vm \
+        --out benchmarks/results/checkpoint_async_cpu.json
+
+The 135.0M-parameter GPT of bench_checkpoint.py (gpt2 shape, vocabulary 64000) in fp32
+with AdamW trains steps of one 128-token sequence per rank. Saves follow one another in
+the order sync, thread, process, process, thread, sync (ABBA, so a drift of the machine's
+load hits every kind alike), each after `--gap` steps without a save:
+  sync     zerompi.checkpoint.save: the stall is its wall time (barriers around it);
+  thread   async_save with the background write in a low-priority thread of the rank;
+  process  async_save with the write in the rank's helper process.
+An asynchronous save's stall is the time the loop was blocked by it (the save call, the
+poll of each step, the publication, a wait for the snapshot copy before an update: the
+"stall_s" the saver reports), the slowest rank's; its steps are those that ran while it
+was in flight (poll included). Normal steps: steps with no save in flight, not the
+first after a save (a rotated checkpoint is being deleted then). Every rank's CPU time
+and the helper process's are read around each save, for what the writer costs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (str(ROOT), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from bench_checkpoint import RANK_ENV, build_model, machine_info  # noqa: E402
+
+KINDS = ("sync", "thread", "process")
+ORDER = ("sync", "thread", "process", "process", "thread", "sync")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def worker(a) -> None:
+    import torch
+    from mpi4py import MPI
+
+    import zerompi
+    from zerompi.checkpoint import poll, save
+    from zerompi.checkpoint.async_save import AsyncSaver
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    model = build_model("gpt2", 64000)
+    engine = zerompi.initialize(model, {"stage": a.stage, "precision": "fp32", "optimizer": {"lr": 1e-4}})
+    vocab = model.config.vocab_size
+    savers = {k: AsyncSaver(engine, k) for k in ("thread", "process")}
+    timeline, events = [], []
+    count = [0]
+
+    def step(state: str):
+        g = torch.Generator().manual_seed(1000 * rank + count[0])
+        count[0] += 1
+        t0 = time.perf_counter()
+        x = torch.randint(0, vocab, (1, a.tokens), generator=g)
+        _, loss = engine(x, torch.roll(x, -1, 1))
+        engine.backward(loss)
+        engine.step()
+        rec = poll(engine)
+        timeline.append({"s": time.perf_counter() - t0, "state": state})
+        return rec
+
+    for _ in range(2):   # warm-up (first steps allocate)
+        step("warmup")
+    for i, kind in enumerate(ORDER * a.rounds):
+        for _ in range(a.gap):
+            step("idle")
+        comm.Barrier()
+        cpu0, t0 = _cpu(), time.perf_counter()
+        helper = savers["process"].writer.proc.pid if savers["process"].writer is not None else None
+        hcpu0 = _proc_cpu(helper) if helper else 0.0
+        tag = f"e{i:02d}-{kind}"
+        if kind == "sync":
+            save(engine, a.dir, tag=tag, keep_last=2)
+            comm.Barrier()
+            ev = {"kind": kind, "stall_s": time.perf_counter() - t0, "write_s": time.perf_counter() - t0,
+                  "steps": 0}
+        else:
+            engine._async_saver = savers[kind]
+            save(engine, a.dir, tag=tag, keep_last=2, async_save=True, writer=kind)
+            begin = time.perf_counter() - t0
+            k, rec = 0, None
+            while rec is None:
+                rec = step(kind)
+                k += 1
+            ev = {"kind": kind, "stall_s": rec["stall_s"], "write_s": rec["write_s"], "begin_s": begin,
+                  "steps": k, "wall_s": time.perf_counter() - t0}
+        helper = savers["process"].writer.proc.pid if savers["process"].writer is not None else None
+        ev["rank_cpu_s"] = _cpu() - cpu0
+        ev["helper_cpu_s"] = (_proc_cpu(helper) - hcpu0) if helper else 0.0
+        ev["at_step"] = len(timeline)
+        events.append(ev)
+        step("after")   # the first step after a save: a rotated checkpoint is being deleted
+    for _ in range(a.gap):
+        step("idle")
+    idle = [t["s"] for t in timeline if t["state"] == "idle"]
+    every = comm.gather({"rank": rank, "timeline": timeline, "events": events, "idle_median_s": statistics.median(idle)})
+    for s in savers.values():
+        s.close()
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"n": n, "stage": a.stage, "tokens": a.tokens, "ranks": every}, f)
+
+
+def summarize(job: dict) -> dict:
+    """Per kind of save: stall (the slowest rank's, per save), write time, steps in flight;
+    step times during a background write over the normal ones around it."""
+    ranks = job["ranks"]
+    out = {"n": job["n"], "stage": job["stage"]}
+    nev = len(ranks[0]["events"])
+    per = {k: {"stall_s": [], "write_s": [], "steps": [], "step_ratio": [], "cpu_s": []} for k in KINDS}
+    for i in range(nev):
+        evs = [r["events"][i] for r in ranks]
+        kind = evs[0]["kind"]
+        d = per[kind]
+        d["stall_s"].append(max(e["stall_s"] for e in evs))
+        d["write_s"].append(max(e["write_s"] for e in evs))
+        d["cpu_s"].append(sum(e["rank_cpu_s"] + e["helper_cpu_s"] for e in evs))
+        if kind == "sync":
+            continue
+        d["steps"].append(evs[0]["steps"])
+        ratios = []
+        for r, e in zip(ranks, evs):
+            tl = r["timeline"]
+            during = [t["s"] for t in tl[e["at_step"] - e["steps"]:e["at_step"]]]
+            # the normal steps nearest this save: the gap before it and the one after
+            near = [t["s"] for t in tl[max(0, e["at_step"] - e["steps"] - 12):e["at_step"] + 12]
+                    if t["state"] == "idle"]
+            ratios.append(statistics.mean(during) / statistics.median(near))
+        d["step_ratio"].append(max(ratios))
+    for k, d in per.items():
+        out[k] = {key: [round(v, 4) for v in vals] for key, vals in d.items() if vals}
+        out[k].update({f"{key}_median": round(statistics.median(vals), 4) for key, vals in d.items() if vals})
+    sync = out["sync"]["stall_s_median"]
+    for k in ("thread", "process"):
+        out[k]["stall_over_sync"] = round(out[k]["stall_s_median"] / sync, 4)
+        out[k]["stall_over_sync_max"] = round(max(out[k]["stall_s"]) / sync, 4)
+    return out
+
+
+def driver(a) -> None:
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    info = machine_info(str(work))
+    info["name"] = a.machine or info["hostname"]
+    report = {"benchmark": "asynchronous vs synchronous checkpoints while training",
+              "model": "gpt2 (vocab 64000), fp32 + AdamW", "params": 134994432, "tokens_per_rank_step": a.tokens,
+              "order": list(ORDER) * a.rounds, "machine": info,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "jobs": [], "summary": []}
+    env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
+    for n in a.ranks:
+        for stage in a.stages:
+            out = work / f"n{n}-s{stage}.json"
+            cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--stage", str(stage),
+                   "--dir", str(work / "ck"), "--out", str(out), "--rounds", str(a.rounds), "--gap", str(a.gap),
+                   "--tokens", str(a.tokens)]
+            before, t0 = os.getloadavg(), time.perf_counter()
+            subprocess.run(["rm", "-rf", str(work / "ck")])
+            p = subprocess.run(cmd, env=env, timeout=a.timeout, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"job n={n} stage={stage} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            job = json.loads(out.read_text())
+            job.update(load_avg_before=before, load_avg_after=os.getloadavg(),
+                       job_seconds=round(time.perf_counter() - t0, 1))
+            report["jobs"].append(job)
+            s = summarize(job)
+            s.update(load_avg_before=[round(x, 2) for x in before],
+                     load_avg_after=[round(x, 2) for x in os.getloadavg()])
+            report["summary"].append(s)
+            print(json.dumps({k: v for k, v in s.items() if k not in ("thread", "process", "sync")}),
+                  {k: {kk: vv for kk, vv in s[k].items() if kk.endswith(("median", "sync", "_max"))}
+                   for k in KINDS}, flush=True)
+            with open(a.out, "w") as f:   # after every job: a long run keeps what it measured
+                json.dump(report, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--machine", default="")
+    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    ap.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="times through the ABBA order of saves")
+    ap.add_argument("--gap", type=int, default=3, help="normal steps before each save")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per rank per step")
+    ap.add_argument("--dir", default="/tmp/zerompi-asyncbench/ck")
+    ap.add_argument("--workdir", default="/tmp/zerompi-asyncbench")
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    driver(a) if a.driver else worker(a)
+
+
+if __name__ == "__main__":
+    main()
