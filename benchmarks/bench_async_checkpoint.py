@@ -78,6 +78,8 @@ def worker(a) -> None:
     engine = zerompi.initialize(model, {"stage": a.stage, "precision": "fp32", "optimizer": {"lr": 1e-4}})
     vocab = model.config.vocab_size
     savers = {k: AsyncSaver(engine, k) for k in ("thread", "process")}
+    for s in savers.values():
+        s.prepare()   # as python -m zerompi.train does before its first step
     timeline, events = [], []
     count = [0]
 
@@ -128,8 +130,8 @@ def worker(a) -> None:
         step("idle")
     idle = [t["s"] for t in timeline if t["state"] == "idle"]
     every = comm.gather({"rank": rank, "timeline": timeline, "events": events, "idle_median_s": statistics.median(idle)})
-    for s in savers.values():
-        s.close()
+    for sv in savers.values():
+        sv.close()
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump({"n": n, "stage": a.stage, "tokens": a.tokens, "ranks": every}, f)

@@ -68,6 +68,16 @@ class AsyncSaver:
         self.staging = Staging(engine, lowp, mods)
         self.writer = ProcessWriter(self.staging) if self.kind == "process" else ThreadWriter()
 
+    def prepare(self) -> None:
+        """Allocate the staging buffer, touch its pages and start the writer now (a
+        trainer's set-up) instead of at the first save, where page faults would slow
+        the snapshot copy and a helper process would start while training runs."""
+        from . import format as fmt
+
+        engine = self.engine()
+        self._prepare(engine, fmt.lowp_kind(engine.config.precision), module_tensors(engine))
+        self.staging.mem.zero_()
+
     def begin(self, directory, tag, client_state, keep_last) -> str:
         """Collective. Returns the path the checkpoint will have once published."""
         engine = self.engine()
@@ -81,9 +91,14 @@ class AsyncSaver:
                          f"{tag or f'step-{engine.global_steps}'} (at most one save is in flight)")
         t1 = time.perf_counter()
         s = saving.start(engine, directory, tag, client_state, keep_last)
-        mods = module_tensors(engine)   # frozen parameters and buffers: (name, tensor, role)
-        self._prepare(engine, s["lowp"], mods)
-        snap = Snapshot(self.staging, engine, s["tag"], mods)
+        snap = err = None
+        try:
+            mods = module_tensors(engine)   # frozen parameters and buffers: (name, tensor, role)
+            self._prepare(engine, s["lowp"], mods)
+            snap = Snapshot(self.staging, engine, s["tag"], mods)
+        except Exception as e:   # e.g. no host memory for the staging buffer: every rank hears of it
+            err = f"{s['path']}: cannot take the snapshot: {type(e).__name__}: {e}"
+        saving.abandon_on_error(engine, s, err)
         task = save_task(snap, self.writer, self.staging, s["path"])
         engine._state_fence = snap.fence   # the next update waits for the copy
         task.start()

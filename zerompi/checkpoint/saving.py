@@ -149,6 +149,14 @@ def agree_written(engine, s: dict, info: dict | None, err: str | None) -> list[d
     rank gets every rank's info (the piece tables: every file is durable from here on)."""
     comm = engine.dims.world
     comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
+    abandon_on_error(engine, s, err)
+    return comm.allgather_object(info)
+
+
+def abandon_on_error(engine, s: dict, err: str | None) -> None:
+    """Collective: if any rank failed, rank 0 removes the temporary directory, then every
+    rank raises the same CheckpointError."""
+    comm = engine.dims.world
     if runtime.agree(comm, err):
         # Nobody raises before rank 0 has removed the temporary directory: an uncaught
         # error on another rank aborts the job, which would kill rank 0 mid-cleanup and
@@ -158,7 +166,6 @@ def agree_written(engine, s: dict, info: dict | None, err: str | None) -> list[d
         comm.barrier()
         fmt.raise_agreed(comm, err, f"save_checkpoint to {s['target']} (nothing was written; "
                                     f"the previous checkpoint is untouched)")
-    return comm.allgather_object(info)
 
 
 def manifest_of(engine, s: dict, infos: list[dict]) -> dict:

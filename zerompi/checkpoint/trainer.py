@@ -19,8 +19,8 @@ class TrainCheckpoints:
     def __init__(self, engine, ckpt_dir, cfg, note):
         self.engine, self.dir, self.cfg, self.note = engine, ckpt_dir, cfg, note
         self.published: list[dict] = []
-        if cfg.checkpoint.async_save:
-            saver_of(engine, cfg.checkpoint.writer)   # the writer kind, before the first save
+        if cfg.checkpoint.async_save:   # staging buffer and writer ready before the first step
+            saver_of(engine, cfg.checkpoint.writer).prepare()
 
     def save(self, step: int, client_state: dict, final: bool) -> None:
         """Collective. keep_last rotates old checkpoints once the new one is in place,
