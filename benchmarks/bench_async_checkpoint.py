@@ -45,7 +45,6 @@ for p in (str(ROOT), str(HERE)):
 
 from bench_checkpoint import RANK_ENV, build_model, machine_info  # noqa: E402
 
-KINDS = ("sync", "thread", "process")
 ORDER = ("sync", "thread", "process", "process", "thread", "sync")
 
 
@@ -63,6 +62,12 @@ def _proc_cpu(pid: int) -> float:
         return 0.0
 
 
+def _helper(saver) -> int | None:
+    """pid of a saver's helper process (writer "process"), else None."""
+    proc = getattr(getattr(saver, "writer", None), "proc", None)
+    return proc.pid if proc is not None else None
+
+
 def worker(a) -> None:
     import torch
     from mpi4py import MPI
@@ -77,7 +82,9 @@ def worker(a) -> None:
     model = build_model("gpt2", 64000)
     engine = zerompi.initialize(model, {"stage": a.stage, "precision": "fp32", "optimizer": {"lr": 1e-4}})
     vocab = model.config.vocab_size
-    savers = {k: AsyncSaver(engine, k) for k in ("thread", "process")}
+    kinds = sorted({k for k in a.order if k != "sync"})
+    # "process@19": the process writer at nice 19 (default: background.WRITER_NICE)
+    savers = {k: AsyncSaver(engine, k.split("@")[0], *([int(k.split("@")[1])] if "@" in k else [])) for k in kinds}
     for s in savers.values():
         s.prepare()   # as python -m zerompi.train does before its first step
     timeline, events = [], []
@@ -97,12 +104,12 @@ def worker(a) -> None:
 
     for _ in range(2):   # warm-up (first steps allocate)
         step("warmup")
-    for i, kind in enumerate(ORDER * a.rounds):
+    for i, kind in enumerate(a.order * a.rounds):
         for _ in range(a.gap):
             step("idle")
         comm.Barrier()
         cpu0, t0 = _cpu(), time.perf_counter()
-        helper = savers["process"].writer.proc.pid if savers["process"].writer is not None else None
+        helper = _helper(savers.get(kind))
         hcpu0 = _proc_cpu(helper) if helper else 0.0
         tag = f"e{i:02d}-{kind}"
         if kind == "sync":
@@ -112,7 +119,7 @@ def worker(a) -> None:
                   "steps": 0}
         else:
             engine._async_saver = savers[kind]
-            save(engine, a.dir, tag=tag, keep_last=2, async_save=True, writer=kind)
+            save(engine, a.dir, tag=tag, keep_last=2, async_save=True)
             begin = time.perf_counter() - t0
             k, rec = 0, None
             while rec is None:
@@ -120,7 +127,6 @@ def worker(a) -> None:
                 k += 1
             ev = {"kind": kind, "stall_s": rec["stall_s"], "write_s": rec["write_s"], "begin_s": begin,
                   "steps": k, "wall_s": time.perf_counter() - t0}
-        helper = savers["process"].writer.proc.pid if savers["process"].writer is not None else None
         ev["rank_cpu_s"] = _cpu() - cpu0
         ev["helper_cpu_s"] = (_proc_cpu(helper) - hcpu0) if helper else 0.0
         ev["at_step"] = len(timeline)
@@ -134,7 +140,7 @@ def worker(a) -> None:
         sv.close()
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"n": n, "stage": a.stage, "tokens": a.tokens, "ranks": every}, f)
+            json.dump({"n": n, "stage": a.stage, "tokens": a.tokens, "order": a.order * a.rounds, "ranks": every}, f)
 
 
 def summarize(job: dict) -> dict:
@@ -143,7 +149,9 @@ def summarize(job: dict) -> dict:
     ranks = job["ranks"]
     out = {"n": job["n"], "stage": job["stage"]}
     nev = len(ranks[0]["events"])
-    per = {k: {"stall_s": [], "write_s": [], "steps": [], "step_ratio": [], "cpu_s": []} for k in KINDS}
+    kinds = list(dict.fromkeys(job["order"]))
+    per = {k: {"stall_s": [], "write_s": [], "steps": [], "step_ratio": [], "first_step_ratio": [], "cpu_s": []}
+           for k in kinds}
     for i in range(nev):
         evs = [r["events"][i] for r in ranks]
         kind = evs[0]["kind"]
@@ -161,13 +169,14 @@ def summarize(job: dict) -> dict:
             # the normal steps nearest this save: the gap before it and the one after
             near = [t["s"] for t in tl[max(0, e["at_step"] - e["steps"] - 12):e["at_step"] + 12]
                     if t["state"] == "idle"]
-            ratios.append(statistics.mean(during) / statistics.median(near))
-        d["step_ratio"].append(max(ratios))
+            ratios.append((statistics.mean(during) / statistics.median(near), during[0] / statistics.median(near)))
+        d["step_ratio"].append(max(r[0] for r in ratios))
+        d["first_step_ratio"].append(max(r[1] for r in ratios))   # the step that also copies the snapshot
     for k, d in per.items():
         out[k] = {key: [round(v, 4) for v in vals] for key, vals in d.items() if vals}
         out[k].update({f"{key}_median": round(statistics.median(vals), 4) for key, vals in d.items() if vals})
     sync = out["sync"]["stall_s_median"]
-    for k in ("thread", "process"):
+    for k in (k for k in kinds if k != "sync"):
         out[k]["stall_over_sync"] = round(out[k]["stall_s_median"] / sync, 4)
         out[k]["stall_over_sync_max"] = round(max(out[k]["stall_s"]) / sync, 4)
     return out
@@ -180,7 +189,7 @@ def driver(a) -> None:
     info["name"] = a.machine or info["hostname"]
     report = {"benchmark": "asynchronous vs synchronous checkpoints while training",
               "model": "gpt2 (vocab 64000), fp32 + AdamW", "params": 134994432, "tokens_per_rank_step": a.tokens,
-              "order": list(ORDER) * a.rounds, "machine": info,
+              "order": a.order * a.rounds, "machine": info,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "jobs": [], "summary": []}
     env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
     for n in a.ranks:
@@ -188,7 +197,7 @@ def driver(a) -> None:
             out = work / f"n{n}-s{stage}.json"
             cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--stage", str(stage),
                    "--dir", str(work / "ck"), "--out", str(out), "--rounds", str(a.rounds), "--gap", str(a.gap),
-                   "--tokens", str(a.tokens)]
+                   "--tokens", str(a.tokens), "--order", ",".join(a.order)]
             before, t0 = os.getloadavg(), time.perf_counter()
             subprocess.run(["rm", "-rf", str(work / "ck")])
             p = subprocess.run(cmd, env=env, timeout=a.timeout, capture_output=True, text=True)
@@ -202,9 +211,9 @@ def driver(a) -> None:
             s.update(load_avg_before=[round(x, 2) for x in before],
                      load_avg_after=[round(x, 2) for x in os.getloadavg()])
             report["summary"].append(s)
-            print(json.dumps({k: v for k, v in s.items() if k not in ("thread", "process", "sync")}),
-                  {k: {kk: vv for kk, vv in s[k].items() if kk.endswith(("median", "sync", "_max"))}
-                   for k in KINDS}, flush=True)
+            print(json.dumps({k: v for k, v in s.items() if not isinstance(v, dict)}),
+                  {k: {kk: vv for kk, vv in v.items() if kk.endswith(("median", "sync", "_max"))}
+                   for k, v in s.items() if isinstance(v, dict)}, flush=True)
             with open(a.out, "w") as f:   # after every job: a long run keeps what it measured
                 json.dump(report, f, indent=1)
 
@@ -217,6 +226,8 @@ def main() -> None:
     ap.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="times through the ABBA order of saves")
+    ap.add_argument("--order", type=lambda s: s.split(","), default=list(ORDER),
+                    help="saves in order: sync, thread, process, or WRITER@NICE (e.g. process@19)")
     ap.add_argument("--gap", type=int, default=3, help="normal steps before each save")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per rank per step")
     ap.add_argument("--dir", default="/tmp/zerompi-asyncbench/ck")

@@ -35,7 +35,7 @@ import weakref
 
 from ..runtime import watchdog
 from . import saving
-from .background import WRITER_KINDS, ProcessWriter, Task, ThreadWriter, save_task
+from .background import WRITER_KINDS, WRITER_NICE, ProcessWriter, Task, ThreadWriter, save_task
 from .staging import Snapshot, Staging
 from .writer import module_tensors
 
@@ -52,11 +52,11 @@ class AsyncSaver:
     """Per engine (engine._async_saver): the staging buffer and writer, allocated at the
     first asynchronous save and reused, and the save in flight."""
 
-    def __init__(self, engine, writer: str):
+    def __init__(self, engine, writer: str, nice: int = WRITER_NICE):
         if writer not in WRITER_KINDS:
             raise ValueError(f"checkpoint writer {writer!r}: must be one of {', '.join(WRITER_KINDS)}")
         self.engine = weakref.ref(engine)
-        self.kind, self.staging, self.writer = writer, None, None
+        self.kind, self.nice, self.staging, self.writer = writer, nice, None, None
         self.inflight: InFlight | None = None
         self.published: list[dict] = []   # path, tag, stall_s, write_s, waited_s of each published save
         atexit.register(_warn_unpublished, weakref.ref(self))
@@ -66,7 +66,7 @@ class AsyncSaver:
             return
         self.close()
         self.staging = Staging(engine, lowp, mods)
-        self.writer = ProcessWriter(self.staging) if self.kind == "process" else ThreadWriter()
+        self.writer = ProcessWriter(self.staging, self.nice) if self.kind == "process" else ThreadWriter(self.nice)
 
     def prepare(self) -> None:
         """Allocate the staging buffer, touch its pages and start the writer now (a

@@ -40,12 +40,15 @@ class ThreadWriter:
 
     kind = "thread"
 
+    def __init__(self, nice: int = WRITER_NICE):
+        self.nice = nice
+
     def write(self, path: str, job: dict, staging) -> tuple[str, int]:
-        _lower_priority(WRITER_NICE)
+        _lower_priority(self.nice)
         return write_staged(path, job, staging.array)
 
     def write_meta(self, tmp: str, manifest: dict) -> None:
-        _lower_priority(WRITER_NICE)
+        _lower_priority(self.nice)
         write_metadata(tmp, manifest)
 
     def close(self) -> None:
@@ -59,12 +62,12 @@ class ProcessWriter:
 
     kind = "process"
 
-    def __init__(self, staging):
+    def __init__(self, staging, nice: int = WRITER_NICE):
         if staging.fd is None:
             raise RuntimeError("checkpoint writer = process needs memfd_create (Linux)")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "zerompi.checkpoint.writer_process", str(staging.fd),
-             str(staging.nbytes), str(WRITER_NICE), str(os.getpid())],
+             str(staging.nbytes), str(nice), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(staging.fd,), start_new_session=True)
 
     def _ask(self, request):
