@@ -119,7 +119,7 @@ def worker(a) -> None:
                   "steps": 0}
         else:
             engine._async_saver = savers[kind]
-            save(engine, a.dir, tag=tag, keep_last=2, async_save=True)
+            save(engine, a.dir, tag=tag, keep_last=2, async_save=True, writer=kind.split("@")[0])
             begin = time.perf_counter() - t0
             k, rec = 0, None
             while rec is None:

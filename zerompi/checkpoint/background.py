@@ -22,8 +22,10 @@ from .rankfile import write_staged
 from .writer_process import RemoteError, recv, send
 
 WRITER_KINDS = ("thread", "process")
-# CFS weights: nice 10 gets ~10% of a core next to one busy nice-0 thread.
-WRITER_NICE = int(os.environ.get("ZEROMPI_CHECKPOINT_WRITER_NICE", "10"))
+# CFS weights: nice 19 gets ~1.5% of a core that a nice-0 thread keeps busy, and all
+# of it when training waits. Nice 10 (~10%) slowed the steps around a write more
+# (benchmarks/results/checkpoint_async_cpu.json, nice_comparison).
+WRITER_NICE = int(os.environ.get("ZEROMPI_CHECKPOINT_WRITER_NICE", "19"))
 
 
 def _lower_priority(nice: int) -> None:

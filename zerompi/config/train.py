@@ -69,9 +69,10 @@ class CheckpointConfig:
     while training goes on; each is published at a later step boundary once every rank
     wrote its file. false: every save blocks all ranks until it is written. The final
     and stop-signal checkpoints are always written at once."""
-    writer: str = "thread"
-    """thread | process: where the background write runs, a low-priority thread of the
-    rank or a helper process per rank (benchmarks/bench_async_checkpoint.py compares them)."""
+    writer: str = "process"
+    """process | thread: where the background write runs, a low-priority helper process
+    per rank (no GIL shared with training: it finished its writes several times sooner
+    than the thread on the 2-core VM, docs/checkpoints.md) or a low-priority thread."""
 
     def __post_init__(self) -> None:
         if self.writer not in ("thread", "process"):
