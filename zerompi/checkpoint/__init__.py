@@ -19,14 +19,15 @@ __all__ = ["CheckpointError", "save", "poll", "flush", "load", "verify_checkpoin
 
 
 def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
-         keep_last: int | None = None, async_save: bool = False, writer: str = "thread") -> str:
+         keep_last: int | None = None, async_save: bool = False, writer: str = "process") -> str:
     """Write DIR/TAG (default tag step-<global_steps>) on all ranks together and point
     DIR/latest at it; returns the checkpoint path. client_state must be JSON-serialisable
     (TypeError naming the key otherwise). keep_last=K keeps the K newest checkpoints in
     DIR and deletes older ones (never the one just written); None keeps everything.
 
     async_save=True snapshots the state into a host staging buffer and returns at once;
-    the file is written in the background (writer "thread" or "process") and published
+    the file is written in the background (writer "process": a helper process per rank,
+    or "thread") and published
     by a later poll(engine) (call it once per step) or flush(engine) (at the end): until
     then the path does not exist and DIR/latest names the previous checkpoint. At most
     one save is in flight; a save waits for the one before (docs/checkpoints.md)."""

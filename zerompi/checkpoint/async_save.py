@@ -66,6 +66,9 @@ class AsyncSaver:
             return
         self.close()
         self.staging = Staging(engine, lowp, mods)
+        if self.kind == "process" and self.staging.fd is None:   # no memfd (not Linux): no helper can map it
+            _say(engine, "checkpoint: writer process needs memfd_create; writing in a thread instead")
+            self.kind = "thread"
         self.writer = ProcessWriter(self.staging, self.nice) if self.kind == "process" else ThreadWriter(self.nice)
 
     def prepare(self) -> None:
@@ -204,7 +207,7 @@ def _warn_unpublished(ref) -> None:
               "not published (call zerompi.checkpoint.flush(engine) before the end)", file=sys.stderr, flush=True)
 
 
-def saver_of(engine, writer: str = "thread") -> AsyncSaver:
+def saver_of(engine, writer: str = "process") -> AsyncSaver:
     saver = getattr(engine, "_async_saver", None)
     if saver is None or (saver.kind != writer and saver.inflight is None):
         if saver is not None:
