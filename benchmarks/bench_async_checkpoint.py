@@ -150,8 +150,8 @@ def summarize(job: dict) -> dict:
     out = {"n": job["n"], "stage": job["stage"]}
     nev = len(ranks[0]["events"])
     kinds = list(dict.fromkeys(job["order"]))
-    per = {k: {"stall_s": [], "write_s": [], "steps": [], "step_ratio": [], "first_step_ratio": [], "cpu_s": []}
-           for k in kinds}
+    per = {k: {"stall_s": [], "write_s": [], "steps": [], "step_ratio": [], "first_step_ratio": [], "lost_s": [],
+               "cpu_s": []} for k in kinds}
     for i in range(nev):
         evs = [r["events"][i] for r in ranks]
         kind = evs[0]["kind"]
@@ -160,6 +160,7 @@ def summarize(job: dict) -> dict:
         d["write_s"].append(max(e["write_s"] for e in evs))
         d["cpu_s"].append(sum(e["rank_cpu_s"] + e["helper_cpu_s"] for e in evs))
         if kind == "sync":
+            d["lost_s"].append(d["stall_s"][-1])
             continue
         d["steps"].append(evs[0]["steps"])
         ratios = []
@@ -169,9 +170,12 @@ def summarize(job: dict) -> dict:
             # the normal steps nearest this save: the gap before it and the one after
             near = [t["s"] for t in tl[max(0, e["at_step"] - e["steps"] - 12):e["at_step"] + 12]
                     if t["state"] == "idle"]
-            ratios.append((statistics.mean(during) / statistics.median(near), during[0] / statistics.median(near)))
+            base = statistics.median(near)
+            ratios.append((statistics.mean(during) / base, during[0] / base, sum(during) - base * len(during)))
         d["step_ratio"].append(max(r[0] for r in ratios))
         d["first_step_ratio"].append(max(r[1] for r in ratios))   # the step that also copies the snapshot
+        # training time the save cost: its stall plus what the steps in flight took beyond usual
+        d["lost_s"].append(d["stall_s"][-1] + max(r[2] for r in ratios))
     for k, d in per.items():
         out[k] = {key: [round(v, 4) for v in vals] for key, vals in d.items() if vals}
         out[k].update({f"{key}_median": round(statistics.median(vals), 4) for key, vals in d.items() if vals})
@@ -218,6 +222,14 @@ def driver(a) -> None:
                 json.dump(report, f, indent=1)
 
 
+def resummarize(path: str) -> None:
+    """Recompute a report's summaries from its jobs (after a change to summarize)."""
+    report = json.loads(Path(path).read_text())
+    for job, s in zip(report["jobs"], report["summary"]):
+        s.update(summarize(job))
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--driver", action="store_true")
@@ -234,8 +246,9 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/zerompi-asyncbench")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--resummarize", action="store_true", help="recompute the summaries of --out")
     a = ap.parse_args()
-    driver(a) if a.driver else worker(a)
+    resummarize(a.out) if a.resummarize else driver(a) if a.driver else worker(a)
 
 
 if __name__ == "__main__":

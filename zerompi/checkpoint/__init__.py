@@ -4,9 +4,10 @@
     client_state = zerompi.checkpoint.load(engine, "ckpt")    # collective; ckpt/latest
 
 Layout and guarantees: docs/checkpoints.md. Modules: format (names, types, checksums),
-writer (one rank's file), index (index.h5 virtual datasets), directory (atomic publish,
-latest, rotation), verify, reader (ranges from rank files), saving/loading (the MPI
-protocols). Inspect and export from the shell: `python -m zerompi.inspect`,
+writer and rankfile (one rank's file), index (index.h5 virtual datasets), directory
+(atomic publish, latest, rotation), verify, reader (ranges from rank files),
+saving/loading (the MPI protocols); asynchronous saves: async_save (poll, flush, the
+publication steps), staging (the snapshot), background and writer_process (the writer). Inspect and export from the shell: `python -m zerompi.inspect`,
 `python -m zerompi.export`.
 
 Only h5py/numpy/JSON are used to read: nothing in a checkpoint can execute code.
