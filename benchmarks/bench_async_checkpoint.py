@@ -126,7 +126,7 @@ def worker(a) -> None:
                 rec = step(kind)
                 k += 1
             ev = {"kind": kind, "stall_s": rec["stall_s"], "write_s": rec["write_s"], "begin_s": begin,
-                  "steps": k, "wall_s": time.perf_counter() - t0}
+                  "steps": k, "wall_s": time.perf_counter() - t0, "parts": rec["parts"]}
         ev["rank_cpu_s"] = _cpu() - cpu0
         ev["helper_cpu_s"] = (_proc_cpu(helper) - hcpu0) if helper else 0.0
         ev["at_step"] = len(timeline)
@@ -166,10 +166,12 @@ def summarize(job: dict) -> dict:
         ratios = []
         for r, e in zip(ranks, evs):
             tl = r["timeline"]
-            during = [t["s"] for t in tl[e["at_step"] - e["steps"]:e["at_step"]]]
-            # the normal steps nearest this save: the gap before it and the one after
-            near = [t["s"] for t in tl[max(0, e["at_step"] - e["steps"] - 12):e["at_step"] + 12]
-                    if t["state"] == "idle"]
+            start = e["at_step"] - e["steps"]
+            during = [t["s"] for t in tl[start:e["at_step"]]]
+            # the normal steps nearest this save, brackets in time against the machine's
+            # drifting load: the gap right before it and the one right after
+            near = [t["s"] for t in tl[max(0, start - 8):start] if t["state"] == "idle"][-4:] + \
+                   [t["s"] for t in tl[e["at_step"]:e["at_step"] + 8] if t["state"] == "idle"][:4]
             base = statistics.median(near)
             ratios.append((statistics.mean(during) / base, during[0] / base, sum(during) - base * len(during)))
         d["step_ratio"].append(max(r[0] for r in ratios))

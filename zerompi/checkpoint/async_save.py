@@ -45,6 +45,7 @@ class InFlight:
         self.start, self.snapshot, self.task = start, snapshot, task
         self.phase = "write"
         self.stall_s, self.waited_s, self.write_s = stall_s, waited_s, 0.0
+        self.parts = {"begin_s": stall_s, "poll_s": 0.0, "agree_s": 0.0, "publish_s": 0.0}  # where the stall went
         self.meta_err: str | None = None
 
 
@@ -119,6 +120,7 @@ class AsyncSaver:
         done = f.task is None or f.task.finished.is_set()
         running, = self.engine().dims.world.allreduce_scalars([0.0 if done else 1.0], op="max")
         f.stall_s += time.perf_counter() - t0
+        f.parts["poll_s"] += time.perf_counter() - t0
         return None if running else self._advance()
 
     def flush(self) -> dict | None:
@@ -141,9 +143,11 @@ class AsyncSaver:
         except BaseException:
             self.inflight = None   # raised on every rank: nothing left to finish
             raise
-        f.stall_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        f.stall_s += dt
+        f.parts["agree_s" if rec is None else "publish_s"] += dt
         if rec is not None:
-            rec["stall_s"] += time.perf_counter() - t0
+            rec["stall_s"] += dt
         return rec
 
     def _write_done(self, f: InFlight, engine) -> None:
@@ -176,7 +180,7 @@ class AsyncSaver:
         path = saving.publish(engine, f.start, err)
         self.inflight = None
         rec = {"path": path, "tag": f.start["tag"], "stall_s": f.stall_s + f.snapshot.fence_s,
-               "write_s": f.write_s, "waited_s": f.waited_s}
+               "write_s": f.write_s, "waited_s": f.waited_s, "parts": dict(f.parts, fence_s=f.snapshot.fence_s)}
         self.published.append(rec)
         return rec
 

@@ -55,7 +55,7 @@ class TrainCheckpoints:
             self._published(rec, background=True)
 
     def _published(self, rec: dict, background: bool) -> None:
-        rec = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items() if k != "path"}
+        rec = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items() if k not in ("path", "parts")}
         self.published.append(rec)
         how = (f"stall {rec['stall_s']:.3f} s, background write {rec['write_s']:.2f} s"
                + (f", waited {rec['waited_s']:.2f} s for the save before" if rec["waited_s"] else "")
