@@ -95,16 +95,15 @@ class AsyncSaver:
                          f"{tag or f'step-{engine.global_steps}'} (at most one save is in flight)")
         t1 = time.perf_counter()
         s = saving.start(engine, directory, tag, client_state, keep_last)
-        snap = err = None
         try:
             mods = module_tensors(engine)   # frozen parameters and buffers: (name, tensor, role)
             self._prepare(engine, s["lowp"], mods)
             snap = Snapshot(self.staging, engine, s["tag"], mods)
-        except Exception as e:   # e.g. no host memory for the staging buffer: every rank hears of it
-            err = f"{s['path']}: cannot take the snapshot: {type(e).__name__}: {e}"
-        saving.abandon_on_error(engine, s, err)
-        task = save_task(snap, self.writer, self.staging, s["path"])
-        engine._state_fence = snap.fence   # the next update waits for the copy
+            task = save_task(snap, self.writer, self.staging, s["path"])
+            engine._state_fence = snap.fence   # the next update waits for the copy
+        except Exception as e:   # e.g. no host memory for the staging buffer: reported by the next poll
+            snap, task = None, Task("zerompi-ckpt-save", _raiser(RuntimeError(
+                f"cannot take the snapshot: {type(e).__name__}: {e}")))
         task.start()
         self.inflight = InFlight(s, snap, task, time.perf_counter() - t1, waited)
         return s["target"]
@@ -159,7 +158,7 @@ class AsyncSaver:
             info = dict(f.snapshot.summary, pieces=f.snapshot.header["pieces"], elements=f.snapshot.elements,
                         module=f.snapshot.module_info(), digest=task.result[0], size=task.result[1],
                         write_s=task.seconds)
-        infos = saving.agree_written(engine, s, info, err)   # raises on every rank if any failed
+        infos = saving.agree_written(engine, s, info, err, all_done=True)   # raises on every rank if any failed
         f.write_s = max(i["write_s"] for i in infos)
         f.phase, f.task = "meta", None
         if engine.dims.world.rank == 0:
@@ -197,6 +196,12 @@ class AsyncSaver:
         if self.staging is not None:
             self.staging.close()
         self.staging = self.writer = None
+
+
+def _raiser(e: Exception):
+    def fail():
+        raise e
+    return fail
 
 
 def _say(engine, msg: str) -> None:

@@ -37,6 +37,7 @@ import torch
 from .. import runtime
 from . import directory as dirs
 from . import format as fmt
+from .format import CheckpointError
 from .index import write_metadata
 from .verify import check_coverage
 from .writer import model_tensors, rank_file_bytes, write_rank_file
@@ -110,8 +111,9 @@ def write_error(e: Exception, path: str, engine, lowp: str | None) -> str:
 
 
 def start(engine, directory, tag: str | None, client_state: dict | None, keep_last: int | None) -> dict:
-    """Steps 1-2 (collective): the arguments checked on every rank, rank 0's temporary
-    directory made and broadcast. Returns what step 5 (finish) needs."""
+    """Steps 1-2 (collective, one exchange): every rank checks the arguments, rank 0 (if
+    its own are fine) makes the temporary directory; all learn every rank's problems and
+    rank 0's directory together. Returns what step 5 (finish) needs."""
     comm = engine.dims.world
     directory = os.path.abspath(os.fspath(directory))
     err, client_json = None, None
@@ -122,10 +124,8 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
             raise ValueError(f"keep_last={keep_last!r}: must be a positive int or None")
     except (TypeError, ValueError) as e:
         err = e
-    fmt.raise_agreed(comm, err, "save_checkpoint")  # TypeError/ValueError, as raised
-
-    tmp = err = None
-    if comm.rank == 0:
+    tmp = dir_err = None
+    if comm.rank == 0 and err is None:
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
@@ -134,38 +134,43 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide it from teammates
         except OSError as e:
-            err = f"cannot create a directory in {directory}: {e}"
-    fmt.raise_agreed(comm, err, f"save_checkpoint to {os.path.join(directory, tag)}")
-    tmp, tag = comm.bcast_object((tmp, tag))  # rank 0's tag, should the ranks differ
+            dir_err = f"cannot create a directory in {directory}: {e}"
+    mine = (runtime.as_items(err), tmp, tag, dir_err)
+    everyone = comm.allgather_object(mine) if comm.size > 1 else [mine]
+    found = runtime.merged([e[0] for e in everyone])
+    if found and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # another rank's arguments were bad
+    runtime.raise_found(found, comm.size, "save_checkpoint", CheckpointError, limit=8)  # TypeError/ValueError, as raised
+    _, tmp, tag, dir_err = everyone[0]   # rank 0's directory and tag, should the ranks' tags differ
+    runtime.raise_found(runtime.merged([runtime.as_items(dir_err)]), 1,
+                        f"save_checkpoint to {os.path.join(directory, tag)}", CheckpointError)
     return {"directory": directory, "tmp": tmp, "tag": tag, "target": os.path.join(directory, tag),
             "client_json": client_json, "keep_last": keep_last,
             "lowp": fmt.lowp_kind(engine.config.precision),
             "path": os.path.join(tmp, fmt.rank_file(comm.rank))}
 
 
-def agree_written(engine, s: dict, info: dict | None, err: str | None) -> list[dict]:
-    """Step 4 (collective), once every rank wrote its file (info) or failed (err): on any
-    failure rank 0 removes the temporary directory and every rank raises; else every
-    rank gets every rank's info (the piece tables: every file is durable from here on)."""
+def agree_written(engine, s: dict, info: dict | None, err: str | None, all_done: bool = False) -> list[dict]:
+    """Step 4 (collective, one exchange), once every rank wrote its file (info) or failed
+    (err): on any failure rank 0 removes the temporary directory and every rank raises;
+    else every rank gets every rank's info (the piece tables: every file is durable from
+    here on). all_done: every rank is known to have finished (an asynchronous save's poll)."""
     comm = engine.dims.world
-    comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
-    abandon_on_error(engine, s, err)
-    return comm.allgather_object(info)
-
-
-def abandon_on_error(engine, s: dict, err: str | None) -> None:
-    """Collective: if any rank failed, rank 0 removes the temporary directory, then every
-    rank raises the same CheckpointError."""
-    comm = engine.dims.world
-    if runtime.agree(comm, err):
+    if not all_done:
+        comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
+    mine = (runtime.as_items(err), info)
+    everyone = comm.allgather_object(mine) if comm.size > 1 else [mine]
+    found = runtime.merged([e[0] for e in everyone])
+    if found:
         # Nobody raises before rank 0 has removed the temporary directory: an uncaught
         # error on another rank aborts the job, which would kill rank 0 mid-cleanup and
         # leave the partial checkpoint filling the disk.
         if comm.rank == 0:
             shutil.rmtree(s["tmp"], ignore_errors=True)
         comm.barrier()
-        fmt.raise_agreed(comm, err, f"save_checkpoint to {s['target']} (nothing was written; "
-                                    f"the previous checkpoint is untouched)")
+        runtime.raise_found(found, comm.size, f"save_checkpoint to {s['target']} (nothing was written; "
+                                              f"the previous checkpoint is untouched)", CheckpointError, limit=8)
+    return [e[1] for e in everyone]
 
 
 def manifest_of(engine, s: dict, infos: list[dict]) -> dict:

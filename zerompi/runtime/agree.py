@@ -11,12 +11,22 @@ def agree(comm, errors=None) -> list[tuple[int, str, str]]:
     same list of (rank, exception class name, message), in rank order, duplicates
     dropped. A rank that failed alone therefore never leaves the others waiting in a
     collective it will not join: all of them see the failure at the same point."""
+    mine = as_items(errors)
+    return merged(comm.allgather_object(mine) if comm.size > 1 else [mine])
+
+
+def as_items(errors) -> list[tuple[str, str]]:
+    """A rank's failures as agree() exchanges them: [(exception class name, message)]."""
     if errors is None:
         errors = []
     elif isinstance(errors, (str, BaseException)):
         errors = [errors]
-    mine = [(type(e).__name__ if isinstance(e, BaseException) else "", str(e)) for e in errors]
-    everyone = comm.allgather_object(mine) if comm.size > 1 else [mine]
+    return [(type(e).__name__ if isinstance(e, BaseException) else "", str(e)) for e in errors]
+
+
+def merged(everyone: list) -> list[tuple[int, str, str]]:
+    """agree()'s result from every rank's as_items, gathered by the caller (who may send
+    them along with other things in one collective)."""
     out, seen = [], set()
     for r, items in enumerate(everyone):
         for cls, msg in items:
@@ -33,12 +43,17 @@ def raise_agreed(comm, errors=None, context: str = "", exc_type: type = ValueErr
     distinct message (at most `limit`). The exception keeps the failures' own class
     when they all share one of `keep_types` (bad arguments stay TypeError/ValueError);
     otherwise it is exc_type."""
-    found = agree(comm, errors)
+    raise_found(agree(comm, errors), comm.size, context, exc_type, keep_types, limit)
+
+
+def raise_found(found: list, size: int, context: str = "", exc_type: type = ValueError,
+                keep_types=(TypeError, ValueError), limit: int = 8) -> None:
+    """raise_agreed once agree()'s (or merged()'s) result is known."""
     if not found:
         return
     classes = {cls for _, cls, _ in found}
     cls = next((t for t in keep_types if classes == {t.__name__}), exc_type)
-    lines = [msg if comm.size == 1 else f"rank {r}: {msg}" for r, _, msg in found]
+    lines = [msg if size == 1 else f"rank {r}: {msg}" for r, _, msg in found]
     head = f"{context}: " if context else ""
     if len(lines) == 1:
         raise cls(head + lines[0])
