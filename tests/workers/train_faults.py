@@ -14,9 +14,9 @@ from zerompi.checkpoint import background
 from zerompi.zero.engine import ZeroEngine
 
 slow = float(os.environ.get("ZEROMPI_TEST_SLOW_WRITE", "0"))
-if slow:
-    write = background.write_staged
-    background.write_staged = lambda *a, **k: (time.sleep(slow), write(*a, **k))[1]
+if slow:  # in the rank, before the file is handed to the writer (helper process or thread)
+    for cls in (background.ProcessWriter, background.ThreadWriter):
+        cls.write = lambda self, *a, _w=cls.write: (time.sleep(slow), _w(self, *a))[1]
 if os.environ.get("ZEROMPI_TEST_RAISE_AT"):
     rank, at = (int(x) for x in os.environ["ZEROMPI_TEST_RAISE_AT"].split(":"))
     step = ZeroEngine.step
