@@ -7,6 +7,7 @@ while training goes on; the failure must surface in the same step's poll on ever
 import json
 import os
 import sys
+import time
 
 import torch
 from mpi4py import MPI
@@ -40,8 +41,9 @@ step()
 err, at = None, None
 try:
     engine.save_checkpoint(d, tag="b", async_save=mode == "async")
-    for at in range(50):   # async: training goes on; a poll per step
+    for at in range(2000):   # async: training goes on, a poll per step (the same count on every rank)
         step()
+        time.sleep(0.002)     # tiny steps: leave the low-priority writer some time
         poll(engine)
 except CheckpointError as e:
     err = str(e)

@@ -61,14 +61,15 @@ def main(argv: list[str]) -> int:
     _die_with_parent(parent)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(s, signal.SIG_IGN)
-    try:
-        os.nice(nice)
-    except OSError:
-        pass
     import numpy as np
 
     from .index import write_metadata
     from .rankfile import write_staged
+
+    try:   # after the imports (a second of CPU once), which would crawl at nice 19 on busy cores
+        os.nice(nice)
+    except OSError:
+        pass
 
     buf = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
