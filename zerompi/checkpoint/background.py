@@ -22,9 +22,9 @@ from .rankfile import write_staged
 from .writer_process import RemoteError, recv, send
 
 WRITER_KINDS = ("thread", "process")
-# CFS weights: nice 19 gets ~1.5% of a core that a nice-0 thread keeps busy, and all
-# of it when training waits. Nice 10 (~10%) slowed the steps around a write more
-# (benchmarks/results/checkpoint_async_cpu.json, nice_comparison).
+# CFS weights: nice 19 gets ~1.5% of a core that a nice-0 thread keeps busy (nice 10:
+# ~10%), and all of it while training waits; the write's CPU time is the same either
+# way, nice 19 only spreads it over more steps.
 WRITER_NICE = int(os.environ.get("ZEROMPI_CHECKPOINT_WRITER_NICE", "19"))
 
 
