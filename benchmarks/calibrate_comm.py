@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Calibrate the alpha-beta communication model (zerompi/estimate/comm_model.py) on this
+"""Calibrate the alpha-beta communication model (zerompi/comm/cost_model.py) on this
 machine, then check it on real stage-2 steps it was not fitted on (issue 17).
 
     python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration.json \
@@ -15,7 +15,7 @@ repeats interleave both in time:
          in cache as in a step: the reduce-scatter's bucket is freshly filled (two slots
          alternate), every all-gather fills another block of a pool 4x the L3. Batches of
          back-to-back calls; a sample is the comm_stats() seconds per call, mean over
-         ranks, median over 7 batches, then median over repeats. comm_model.fit gives one
+         ranks, median over 7 batches, then median over repeats. cost_model.fit gives one
          link per op and N, and a joint one (ordered reduce-scatter + all-gather); the sum
          of the ordered reduce-scatter is proportional to the bytes, so it is in its beta.
   check  the 17M GPT (gpt-20m) at stage 2, fp32, for bucket sizes 2^16 .. 2^22:
@@ -28,7 +28,7 @@ repeats interleave both in time:
                  seconds per replay. Both: mean over ranks, median over steps/replays,
                  then median over repeats.
 
-The driver predicts each check with comm_model.step_comm_time from the fit jobs only
+The driver predicts each check with cost_model.step_comm_time from the fit jobs only
 (each op with its own link at that N) and reports measured/predicted, pooled and per
 repeat. The issue's target is a prediction within 30% either way
 (max(pred/meas, meas/pred) <= 1.3) at N = 2 and 4. The replay is the communication-only
@@ -123,7 +123,7 @@ def fit_rows(samples: list[dict], ops: tuple[str, ...]) -> list[tuple]:
 
 
 def step_rows(chk: dict) -> dict[str, list[tuple]]:
-    """One stage-2 fp32 step of the checked engine as comm_model rows, by op."""
+    """One stage-2 fp32 step of the checked engine as cost_model rows, by op."""
     sizes = sorted((int(k), v) for k, v in chk["block_sizes"].items())
     return {"reduce_scatter": [("reduce_scatter", 4 * b, c) for b, c in sizes],
             "all_gather": [("all_gather", 4 * b, c) for b, c in sizes],

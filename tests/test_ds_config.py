@@ -1,4 +1,4 @@
-"""DeepSpeed JSON configs (zerompi/ds_config.py): every supported key maps onto our
+"""DeepSpeed JSON configs (zerompi/config/deepspeed.py): every supported key maps onto our
 config, every ignored key is named in one warning, keys whose absence would change the
 math are errors; zerompi.initialize and `zerompi.train --deepspeed_config` take the file."""
 import json

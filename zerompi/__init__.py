@@ -13,7 +13,7 @@ from .config import ZeroConfig, load as load_config
 
 from .version import __version__
 
-# An exception on any rank must end the whole MPI job (see runtime.py). The hook only
+# An exception on any rank must end the whole MPI job (see runtime/abort.py). The hook only
 # calls MPI_Abort when MPI is already initialised, so importing zerompi stays cheap.
 runtime.install_abort_hook()
 

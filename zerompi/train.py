@@ -8,7 +8,7 @@ Slurm (inside an sbatch script; one task per rank, or per GPU):
 
     srun python -m zerompi.train --config configs/small.toml --run_dir runs/$SLURM_JOB_ID
 
-Settings are TrainConfig fields (zerompi/train_config.py; `--help` lists them all):
+Settings are TrainConfig fields (zerompi/config/train.py; `--help` lists them all):
 `--config FILE` (TOML or JSON), then `--key value` or `key=value` overrides, dotted for
 nested tables: `--max_steps 50 zero.stage=2 --zero.optimizer.lr 3e-4`. A DeepSpeed
 config works too: `--deepspeed_config ds_config.json` (docs/migrating-from-deepspeed.md).
@@ -29,7 +29,7 @@ Exit codes:
     4    diverged: zero.max_nonfinite_steps non-finite steps in a row (no checkpoint of them)
     5    run_dir is in use by another job (named)
     128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint
-    1    anything else (one rank's exception aborts the whole job, see runtime.py)
+    1    anything else (one rank's exception aborts the whole job, see runtime/malloc.py)
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ class CommConfig:
     timeout_s: float = 300.0
     """Deadline of every collective wait once the first optimizer step is done: a rank
     still waiting after this names itself, the collective, the step and the ranks that did
-    not arrive, and ends the job (exit 3; zerompi/watchdog.py). 0 = no deadline."""
+    not arrive, and ends the job (exit 3; zerompi/runtime/watchdog.py). 0 = no deadline."""
     startup_timeout_s: float = 1200.0
     """The same deadline before the first optimizer step (set-up, data caches, first
     gathers) and for checkpoint save/load, where ranks wait for the slowest writer."""
@@ -197,7 +197,7 @@ class ZeroConfig:
     dtype; stage 0 only all-reduces, in the reduce dtype) and
     capped at 1 GiB of it: 2^28 elements in fp32, 2^29 in bf16/fp16 (buffers of ~8.6 GiB
     per rank at large N with fp32 reduction; an integer caps them, reduce_dtype "param"
-    halves them; zerompi/estimate/comm_model.py auto_bucket_elements; docs/scaling.md).
+    halves them; zerompi/comm/cost_model.py auto_bucket_elements; docs/scaling.md).
     Each span (the model, a stage-3 unit) is cut into balanced blocks: at most this many
     elements (an integer, or "auto" at its 2^22 floor), or with "auto" above the floor at
     least this many (then stage-3 units are coalesced to it too,

@@ -19,7 +19,7 @@ from typing import Sequence
 from ..config import train as train_config
 from ..config import ZeroConfig
 from ..zero.buckets import auto_elem_bytes, bucket_policy
-from ..comm import cost_model as comm_model
+from ..comm import cost_model
 from . import memory, models
 from .dryrun import DryRun, dry_run as _dry_run
 from .sizing import size_run
@@ -81,11 +81,11 @@ def resolve_model(model, seq_len: int = 0) -> tuple[models.ModelSpec, ZeroConfig
 
 
 def resolve_link(link=None, alpha: float | None = None, beta: float | None = None):
-    if isinstance(link, comm_model.Link):
+    if isinstance(link, cost_model.Link):
         return link
     if link is None and alpha is None and beta is None:
-        link = comm_model.DEFAULT_AUTO_LINK
-    return comm_model.resolve_link(link, alpha, beta)
+        link = cost_model.DEFAULT_AUTO_LINK
+    return cost_model.resolve_link(link, alpha, beta)
 
 
 def _settings(zcfg: ZeroConfig, precision: str, gdt: str, gas: int, tp: int, bucket) -> str:

@@ -17,7 +17,7 @@ import json
 import sys
 
 from ..config import ConfigError
-from ..comm import cost_model as comm_model
+from ..comm import cost_model
 from . import api, memory, report
 
 EXAMPLES = """examples:
@@ -63,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the config's/model's)")
     p.add_argument("--mem-per-rank", default=None, help="memory per rank, e.g. 80GiB, 40GB: "
                    "find the largest micro-batch that fits")
-    p.add_argument("--link", choices=sorted(comm_model.PRESETS), default=None,
-                   help=f"link preset for the communication time (default {comm_model.DEFAULT_AUTO_LINK})")
+    p.add_argument("--link", choices=sorted(cost_model.PRESETS), default=None,
+                   help=f"link preset for the communication time (default {cost_model.DEFAULT_AUTO_LINK})")
     p.add_argument("--alpha", type=float, default=None, help="latency per message step, seconds")
     p.add_argument("--beta", type=float, default=None, help="seconds per byte (1 / bandwidth)")
     p.add_argument("--check-ranks", default=None, help="dry run: ranks whose real elements are "

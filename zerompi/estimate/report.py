@@ -156,7 +156,7 @@ def render_comm(runs: list[dict]) -> str:
     lines = [head]
     if ct:
         lk = ct["link"]
-        lines.append(f"Predicted time: alpha-beta model (comm_model.py), link {lk['name']}: alpha = "
+        lines.append(f"Predicted time: alpha-beta model (cost_model.py), link {lk['name']}: alpha = "
                      f"{lk['alpha'] * 1e6:g} us, beta = {lk['beta']:.3g} s/B "
                      f"({(1 / lk['beta'] / 1e9) if lk['beta'] else float('inf'):.3g} GB/s); "
                      "collectives in sequence, no overlap with compute.")

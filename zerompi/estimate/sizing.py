@@ -5,14 +5,14 @@ Exact terms (they equal what the engine allocates and counts): model states at t
 element count T of the engine's own layout (the dry run checks them against a
 ShardState), the communication buffers, and the collectives per step (counting as
 comm_stats() does). Estimates: activations (activations.py), stage-3 gathered units and
-transient gradients, and the communication time (the alpha-beta model of comm_model.py).
+transient gradients, and the communication time (the alpha-beta model of cost_model.py).
 """
 from __future__ import annotations
 
 import math
 
 from ..precision import DTYPES
-from ..comm import cost_model as comm_model
+from ..comm import cost_model
 from .activations import STRATEGIES, activation_bytes, comm_buffer_bytes, largest_micro_batch, working_bytes
 from .dryrun import DryRun, collective_summary, collectives, reduce_bytes
 from .memory import model_states
@@ -24,10 +24,10 @@ def comm_time(rows: list[dict], n: int, link) -> dict:
     and in total, with the latency (alpha) share. The step's small scalar all-reduce is
     modelled as a tree (recursive doubling, what MPI uses for a few bytes)."""
     spec = [(r["op"], r["nbytes"], r["count"]) + (("tree",) if r["scalars"] else ()) for r in rows]
-    total = comm_model.step_comm_time(spec, n, link)
+    total = cost_model.step_comm_time(spec, n, link)
     per_row = []
     for r, s in zip(rows, spec):
-        sec, lat = comm_model.collective_time(s[0], s[1], n, link, s[3] if len(s) == 4 else "ring")
+        sec, lat = cost_model.collective_time(s[0], s[1], n, link, s[3] if len(s) == 4 else "ring")
         per_row.append({"seconds_each": sec, "latency_each": lat, "seconds": sec * r["count"]})
     return {"link": {"name": link.name, "alpha": link.alpha, "beta": link.beta},
             "seconds": total["seconds"], "latency_seconds": total["latency_seconds"],

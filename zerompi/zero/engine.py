@@ -86,7 +86,7 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
-        runtime.fix_mmap_threshold()  # ZEROMPI_MALLOC=return: less RSS, slower steps (runtime.py)
+        runtime.fix_mmap_threshold()  # ZEROMPI_MALLOC=return: less RSS, slower steps (runtime/malloc.py)
         named = _unique_params(model)
         placement = _placement(named)  # the model's device: every buffer of state lives there
         if dims is None:
