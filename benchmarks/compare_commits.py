@@ -68,7 +68,7 @@ def predicted_bytes(model: str, n: int, stage: int, bsz: int, seq: int) -> int |
         for name, kw in EXTRA_SHAPES.items():
             PRESETS[name] = GPTConfig(**kw)
         return n * predict_rank_bytes(f"zerompi-{stage}", model, n, bsz, seq,
-                                      _zerompi_default_bucket(), True)
+                                      _zerompi_default_bucket(n, stage), True)
     except Exception:  # the checkout may be mid-change; the check is only a safeguard
         return None
 

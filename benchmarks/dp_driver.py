@@ -93,7 +93,8 @@ def driver(args) -> None:
                        "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
                        "torch_adamw": args.torch_adamw, "ddp_bucket_mb": args.ddp_bucket_mb,
                        "ddp_gradient_as_bucket_view": bool(args.ddp_grad_view),
-                       "zerompi_bucket_size": args.bucket_size or _zerompi_default_bucket(),
+                       "zerompi_bucket_size": args.bucket_size or {
+                           str(n): _zerompi_default_bucket(n) for n in nranks},
                        "deepspeed": "fp32, torch AdamW (torch_adam), reduce/allgather buckets = "
                                     "zerompi_bucket_size, other ZeRO settings DeepSpeed's defaults; "
                                     "stage 3 built under deepspeed.zero.Init",
@@ -124,7 +125,6 @@ def driver(args) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             ds_missing = ("deepspeed is not installed (pip install einops hjson msgpack ninja "
                           "psutil && pip install --no-deps deepspeed==0.19.8; see benchmarks/README.md)")
-    default_bucket = _zerompi_default_bucket()
     plan = [(m, n, s, mal) for m in models for n in nranks for mal in mallocs for s in systems]
     t_all = time.monotonic()
     for i, (m, n, s, mal) in enumerate(plan):
@@ -132,8 +132,9 @@ def driver(args) -> None:
         tag = f"{s}__{m}__n{n}__{mal}"
         psi = count_params(PRESETS[m])
         steps = args.steps_large if psi >= args.large_params else args.steps
-        pred = n * predict_rank_bytes(s, m, n, bsz, seq, args.bucket_size or default_bucket,
-                                      bool(args.ddp_grad_view))
+        _, stage, prec = parse_system(s)
+        bucket = args.bucket_size or _zerompi_default_bucket(n, stage or 0, prec)
+        pred = n * predict_rank_bytes(s, m, n, bsz, seq, bucket, bool(args.ddp_grad_view))
         avail = mem_info().get("MemAvailable", 0)
         entry = {"system": s, "model": m, "n": n, "malloc": mal,
                  "predicted_total_bytes": pred, "mem_available_bytes": avail}
