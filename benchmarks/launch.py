@@ -23,8 +23,9 @@ alone would miss them; the descendants are listed before anything is killed, and
 processes this launch started are ever signalled. A timeout returns a Job with
 timed_out set; an interrupt kills the job and then raises KeyboardInterrupt in the
 driver, which can still write the results it has. MPICH's shared-memory segments that
-the job created and that no live process maps any more are removed afterwards (a killed
-or aborted job leaves them in /dev/shm).
+appeared during the job and that no live process maps any more are removed afterwards,
+once 2 s old (a killed or aborted job leaves them in /dev/shm; a younger one may belong to
+another job that has not mapped it yet).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from pathlib import Path
 from bench_env import RANK_ENV, ROOT
 
 SHM = Path("/dev/shm")
+SHM_MIN_AGE_S = 2.0
 
 
 @dataclass
@@ -122,9 +124,10 @@ def launch(nranks: int | None, argv, *, timeout: float, env: dict | None = None,
         raise
     finally:
         p.wait()
+        elapsed = time.monotonic() - t0
         reader.join(timeout=10)  # a descendant outside the snapshot may still hold the pipe
         _clean_shm(_shm_segments() - shm_before)
-    job = Job(cmd, p.returncode, timed_out, time.monotonic() - t0, "".join(lines))
+    job = Job(cmd, p.returncode, timed_out, elapsed, "".join(lines))
     if log:
         Path(log).write_text(job.output)
     return job
@@ -205,5 +208,14 @@ def _clean_shm(new: set[str]) -> None:
     except Exception as e:  # a checkout mid-change must not turn a finished job into a failure
         print(f"[launch] left {len(new)} MPICH segment(s) in {SHM}: {e}", flush=True)
         return
-    # min_age_s: a segment another job created a moment ago may not be mapped yet
-    clean_dead_shm(str(SHM), min_age_s=2.0, only=new)
+    # A segment another job created a moment ago may not be mapped yet: only segments at
+    # least SHM_MIN_AGE_S old go, so wait for this job's youngest to reach that age.
+    ages = []
+    for name in new:
+        try:
+            ages.append(time.time() - (SHM / name).stat().st_mtime)
+        except OSError:
+            pass  # already unlinked
+    if ages:
+        time.sleep(max(0.0, SHM_MIN_AGE_S - min(ages)))
+        clean_dead_shm(str(SHM), min_age_s=SHM_MIN_AGE_S, only=new)
