@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
-from benchmarks.bench_env import machine_info  # noqa: E402
 from zerompi.models.gpt import GPT, PRESETS, count_params  # noqa: E402
 
 
