@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -59,20 +58,10 @@ from .runtime.fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
+from .lr_schedule import lr_at, position
 from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
-
-def lr_at(step: int, cfg) -> float:
-    """Linear warm-up to zero.optimizer.lr, then cosine down to min_lr."""
-    peak, warmup = cfg.zero.optimizer.lr, cfg.warmup_steps
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    end = cfg.lr_decay_steps or cfg.max_steps
-    if step >= end:
-        return cfg.min_lr
-    frac = (step - warmup) / max(1, end - warmup)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (peak - cfg.min_lr)
 
 
 def _rss_bytes() -> int:
@@ -272,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.train()
     t_start = time.perf_counter()
     for step in range(start_step, cfg.max_steps):
-        lr = lr_at(step, cfg)
+        lr = lr_at(position(cfg, step, engine.global_steps), cfg)  # deepspeed_*: applied updates
         for group in engine.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()

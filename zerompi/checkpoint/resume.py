@@ -149,7 +149,8 @@ def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
 
 
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")
-SCHEDULE = ("max_steps", "warmup_steps", "lr_decay_steps", "min_lr", "zero.optimizer.lr")
+SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
+            "zero.optimizer.lr")
 DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
 
 
