@@ -12,17 +12,12 @@ import sys
 import pytest
 import torch
 
+from gpu_backend import nccl_skip_reason
 from mpirun import mpi_env, run_worker
 
 STAGED = {"all_gather", "all_gather_inplace", "all_to_all", "reduce_scatter_ordered", "all_reduce_ordered",
           "gather", "gather_staged", "broadcast", "reduce_scatter_native", "all_reduce_native", "all_reduce_max",
           "double_buffer_order", "stats", "split", "choices"}
-
-
-def _nccl_missing():
-    from zerompi.comm.nccl import unavailable
-
-    return unavailable("cuda")
 
 
 NO_GPU = not torch.cuda.is_available()
@@ -95,7 +90,7 @@ def test_nccl_dtype_map_matches_cupy():
 
 
 def test_nccl_where_it_cannot_run_is_a_config_error():
-    why = _nccl_missing()
+    why = nccl_skip_reason()
     if why is None:
         pytest.skip("NCCL can run here")
     import zerompi.comm
@@ -106,7 +101,7 @@ def test_nccl_where_it_cannot_run_is_a_config_error():
 
 @needs_gpu
 def test_nccl_collectives_one_rank_per_gpu(tmp_path):
-    why = _nccl_missing()
+    why = nccl_skip_reason()
     if why:
         pytest.skip(why)
     n = min(torch.cuda.device_count(), 2)
