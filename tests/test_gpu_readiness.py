@@ -1,21 +1,27 @@
 """CPU checks of GPU-path code that reading against CuPy 14 and torch showed would break on
 the first GPU run (issue 24): the synchronisation counting of tests/workers/gpu_sync.py,
-the NCCL skip decision of the GPU tests and the CuPy stream wrapper. CuPy is faked
-where needed: none is installed here."""
+the NCCL skip decision of the GPU tests, the CuPy stream wrapper, and bench_gpu_e2e's
+backend choice, error isolation and freeing of engines. CuPy is faked where needed:
+none is installed here."""
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from mpirun import WORKERS
+from mpirun import WORKERS, mpi_env
 
 sys.path.insert(0, str(WORKERS))
 import sync_count  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def fake_cupy(monkeypatch, nccl_available=True, stream_api="from_external"):
@@ -150,3 +156,45 @@ def test_fused_optimizer_takes_torchs_stream_without_deprecation(monkeypatch):
         warnings.simplefilter("error", DeprecationWarning)
         ex._stream()
     assert made == [("from_external", (0, 77))]
+
+
+# ---------------------------------------------------------------- bench_gpu_e2e on the CPU
+
+SPY = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
+b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)
+events, init, release = [], b.zerompi.initialize, b.release
+b.zerompi.initialize = lambda *a, **k: events.append("engine") or init(*a, **k)
+b.release = lambda dev: events.append("release") or release(dev)
+rc = b.main(sys.argv[2:])
+print(json.dumps({"rc": rc, "events": events}))
+"""
+
+SMALL = ["--device", "cpu", "--preset", "tiny", "--micro", "2", "--seq", "32", "--warmup", "1", "--steps", "1",
+         "--stages", "0,3", "--profile-stage", "-1"]
+
+
+def _bench(tmp_path, *args):
+    out = tmp_path / "e2e.json"
+    r = subprocess.run([sys.executable, "-c", SPY, str(ROOT / "benchmarks" / "bench_gpu_e2e.py"), *SMALL,
+                        "--out", str(out), *args], env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert r.stdout.strip(), r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), json.loads(out.read_text())
+
+
+def test_bench_e2e_backend_mpi_frees_every_engine_and_the_loss_falls(tmp_path):
+    run, res = _bench(tmp_path, "--backend", "mpi", "--train-steps", "30")
+    assert run["rc"] == 0
+    assert run["events"] == ["release", "engine", "release", "engine", "release", "engine", "release"], run
+    assert res["stage0"]["backend"] == res["stage3"]["backend"] == "MPICommunicator"
+    assert res["stage3"]["tokens_ratio_vs_torch"] > 0
+    assert res["train"]["loss_fell"], res["train"]
+
+
+def test_bench_e2e_nccl_failure_costs_only_the_nccl_numbers(tmp_path):
+    run, res = _bench(tmp_path, "--backend", "nccl")
+    assert run["rc"] == 1
+    assert res["torch_plain"]["tokens_per_s"] > 0
+    for s in ("stage0", "stage3"):
+        assert "config key 'comm.backend' = 'nccl'" in res[s]["error"], res[s]
