@@ -17,7 +17,8 @@ A stage that fails records its error and the others still run; the JSON is rewri
 after every stage, and every engine is freed (gc, the CUDA cache emptied) before the
 next one is built. `--train-steps K` adds a short run on the built-in corpus (real
 text, so the loss can fall; random tokens cannot) with its losses; `--offload` adds
-stage 2 with the optimizer offloaded to the host, for its peak GPU memory.
+stage 2 with the optimizer offloaded to the host, for its peak GPU memory. Exit 1
+when a part failed or the corpus run's loss did not fall.
 NOT YET RUN ON A GPU: written while no GPU was lent.
 """
 from __future__ import annotations
@@ -243,7 +244,8 @@ def main(argv=None) -> int:
             print(f"train: loss {rec['first_quarter_mean']:.3f} -> {rec['last_quarter_mean']:.3f} "
                   f"over {rec['steps']} steps ({'fell' if rec['loss_fell'] else 'DID NOT FALL'})", flush=True)
     failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
-    return 1 if failed else 0
+    fell = result.get("train", {}).get("loss_fell", True)  # a run that does not learn fails
+    return 1 if failed or not fell else 0
 
 
 if __name__ == "__main__":
