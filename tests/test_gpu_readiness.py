@@ -80,6 +80,18 @@ def test_sync_counts_ignore_the_profilers_own_synchronise():
     assert sync_count.sync_counts(events)["device_syncs"] == 1
 
 
+def test_the_device_side_of_the_range_does_not_count():
+    """With CUDA activity the range also appears on the device (same name), ending when
+    the step's kernels end: the profiler's exit sync inside it is not the step's."""
+    from torch.autograd import DeviceType
+
+    def ev(name, lo, hi, dev=DeviceType.CPU):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=lo, end=hi), device_type=dev)
+    events = [ev(sync_count.STEP, 10, 20), ev(sync_count.STEP, 11, 40, DeviceType.CUDA),
+              ev("cudaDeviceSynchronize", 25, 35)]
+    assert sync_count.sync_counts(events) == {"syncs": {}, "device_syncs": 0, "ranges": 1}
+
+
 def test_forbid_device_sync_patches_module_attributes_only(monkeypatch):
     cupy, _ = fake_cupy(monkeypatch)
     real_torch, real_cupy = torch.cuda.synchronize, cupy.cuda.runtime.deviceSynchronize

@@ -58,22 +58,32 @@ def _span(e) -> tuple[float, float]:
     return tr.start, tr.end
 
 
+def _host_range(e, range_name: str) -> bool:
+    """The host side of a record_function range. With CUDA profiling the trace also holds
+    its device side under the same name (kineto's gpu_user_annotation), which lasts
+    until the step's kernels finish, past the host range: the profiler's own
+    synchronise at exit can fall inside it."""
+    from torch.autograd import DeviceType
+
+    return e.name == range_name and getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
+
+
 def inside(events: Iterable, range_name: str = STEP) -> list:
-    """Events that start within a `range_name` range (the ranges themselves excluded).
-    By time, not by thread: backward runs partly on autograd's own threads."""
+    """Events that start within a host `range_name` range (the ranges themselves
+    excluded). By time, not by thread: backward runs partly on autograd's own threads."""
     events = list(events)
-    ranges = [_span(e) for e in events if e.name == range_name]
+    ranges = [_span(e) for e in events if _host_range(e, range_name)]
     return [e for e in events if e.name != range_name
             and any(lo <= _span(e)[0] <= hi for lo, hi in ranges)]
 
 
 def sync_counts(events: Iterable, range_name: str = STEP) -> dict:
     """Synchronisation calls inside the step: {"syncs": {name: count}, "device_syncs": n,
-    "ranges": number of step ranges found} (ranges 0 means nothing was measured)."""
+    "ranges": number of host step ranges found} (0 means nothing was measured)."""
     events = list(events)
     names = Counter(e.name for e in inside(events, range_name) if "Synchronize" in e.name)
     return {"syncs": dict(names), "device_syncs": names.get(DEVICE_SYNC, 0),
-            "ranges": sum(e.name == range_name for e in events)}
+            "ranges": sum(_host_range(e, range_name) for e in events)}
 
 
 def profiled(step: Callable[[], None], profiler: Callable[[], contextlib.AbstractContextManager]) -> dict:
