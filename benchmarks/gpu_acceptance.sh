@@ -116,6 +116,8 @@ step env-probe 45 10 "$PY" benchmarks/gpu_env_probe.py "$ENVF"
 GPU=$(decided gpu)
 BACKEND=$(decided e2e_backend)
 PEAK=$(decided peak_bf16_flops)
+NOGPU="no CUDA device visible"
+[ -z "$GPU" ] && NOGPU="the probe gave no answer (step env-probe): taken as no GPU"
 
 # 2 ---------------------------------------------------------------- MPI
 t0=$(date +%s)
@@ -150,8 +152,8 @@ pytest_step kernel-tests 120 30 kernels_junit.xml tests/test_kernels_gpu.py \
 if [ "$GPU" = True ]; then
     step kernel-bench 60 20 "$PY" benchmarks/bench_kernels_gpu.py --sizes "$KSIZES" --out "$OUT/kernels_bench.json"
 else
-    skip_json "$OUT/kernels_bench.json" "no CUDA device visible"
-    report kernel-bench skip 0 "no CUDA device visible"
+    skip_json "$OUT/kernels_bench.json" "$NOGPU"
+    report kernel-bench skip 0 "$NOGPU"
 fi
 
 # 5 ---------------------------------------------------------------- MPI tests on the GPU
@@ -180,8 +182,8 @@ e2e() {  # e2e NAME CAP OUTFILE GPU-ARGS... -- CPU-ARGS...
         step "$name" "$cap" 20 "$PY" benchmarks/bench_gpu_e2e.py --device cpu --backend mpi --preset tiny \
             --micro 2 --seq 32 --warmup 1 --steps 1 --out "$out" "${cpu[@]}"
     else
-        skip_json "$out" "no CUDA device visible"
-        report "$name" skip 0 "no CUDA device visible"
+        skip_json "$out" "$NOGPU"
+        report "$name" skip 0 "$NOGPU"
     fi
 }
 e2e e2e 120 "$OUT/e2e.json" --preset "$PRESET" --micro 8 --seq 1024 --train-steps 60 \

@@ -89,7 +89,7 @@ def torch_info() -> dict:
         p = torch.cuda.get_device_properties(0)
         d.update(devices=torch.cuda.device_count(), name=p.name, capability=f"{p.major}.{p.minor}",
                  memory_bytes=p.total_memory, bf16=torch.cuda.is_bf16_supported(),
-                 nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None)
+                 nccl=str(torch.cuda.nccl.version()) if hasattr(torch.cuda, "nccl") else None)
     return d
 
 
@@ -161,18 +161,20 @@ def main(argv: list[str]) -> int:
     t0, out = time.time(), Path(argv[0])
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     p = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    # cheap parts first, NCCL (which can hang in its set-up) last: within the step's
+    # 45 s cap even when NCCL times out
     parts = [("host", lambda: guarded(host)), ("nvidia_smi", lambda: guarded(nvidia_smi)),
-             ("torch", lambda: guarded(torch_info)), ("cupy_nccl", lambda: child(NCCL_CHILD, 60)),
-             ("mpi", lambda: child(MPI_CHILD, 30)),
+             ("torch", lambda: guarded(torch_info)), ("mpi", lambda: child(MPI_CHILD, 20)),
              ("nvcc", lambda: run(["nvcc", "--version"]).get("out", "not found").splitlines()[-1:]),
              ("versions", lambda: guarded(versions)),
-             ("zerompi_commit", lambda: run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).get("out"))]
+             ("zerompi_commit", lambda: run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).get("out")),
+             ("cupy_nccl", lambda: child(NCCL_CHILD, 25))]
     for key, fn in parts:
         p[key] = fn()
         p["decide"] = decide(p)
         p["probe_seconds"] = round(time.time() - t0, 1)
         out.write_text(json.dumps(p, indent=1))  # part by part: a probe cut off keeps what it found
-    d, t, n = p["decide"], p["torch"], p["cupy_nccl"]
+    d, t, n = p["decide"], p["torch"] or {}, p["cupy_nccl"] or {}
     nccl = n.get("nccl_unavailable", n.get("error", "?")) or "usable"
     print(f"probe: GPU {t.get('name', 'none')} | torch {t.get('version')} CUDA {t.get('cuda')} | "
           f"cupy {n.get('cupy')} NCCL {n.get('nccl_version')} ({nccl}) | "

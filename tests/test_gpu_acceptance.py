@@ -64,13 +64,13 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
     env_probe = json.loads((out / "env.json").read_text())
     assert env_probe["decide"]["gpu"] is False and env_probe["torch"]["cuda_available"] is False
     assert "swap_data_ptr" in env_probe["torch"] and "resolves_to" in env_probe["host"]
-    # every GPU test skipped, saying why
-    for junit in ("kernels_junit.xml", "mpi_junit.xml"):
+    # nothing failed, and what needs the GPU skipped saying why (the NCCL dtype check
+    # runs where cupy is installed, test_device's binding on the CPU too)
+    for junit, n_gpu in (("kernels_junit.xml", 18), ("mpi_junit.xml", 10)):
         cases = list(ET.parse(out / junit).iter("testcase"))
-        gpu = [c for c in cases if "test_device" not in c.get("classname", "")]
-        assert gpu and all(c.find("skipped") is not None for c in gpu), junit
-        assert all(("CUDA" in c.find("skipped").get("message", "") or "cupy" in c.find("skipped").get("message", ""))
-                   for c in gpu), junit
+        assert not [c for c in cases if c.find("failure") is not None or c.find("error") is not None], junit
+        why = [c.find("skipped").get("message", "") for c in cases if c.find("skipped") is not None]
+        assert len(why) >= n_gpu and all("CUDA" in w or "cupy" in w for w in why), (junit, why)
     assert json.loads((out / "kernels_bench.json").read_text()) == {"skipped": "no CUDA device visible"}
     e2e = json.loads((out / "e2e.json").read_text())
     assert all(e2e[f"stage{s}"]["tokens_per_s"] > 0 for s in (0, 3)) and e2e["train"]["loss_fell"], e2e
@@ -103,7 +103,14 @@ def test_an_interrupted_launch_leaves_no_process(tmp_path):
     """`timeout -s INT` around pytest interrupts it; the launched job is a session of its
     own (the signal misses it), so launch() must kill it."""
     pid_file = tmp_path / "pid"
-    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+
+    def interrupt_once_started():
+        t0 = time.monotonic()
+        while not pid_file.exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         launch(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=120)
     pid = int(pid_file.read_text())
