@@ -34,8 +34,9 @@ def test_staged_collectives_on_cpu(n, tmp_path):
 
 def test_engine_over_staged_mpi_on_cpu(tmp_path):
     """Stages 0-3 over host-staged MPI (CPU tensors standing in for device memory): the
-    same losses and full_state_dict() as over plain MPI, bitwise; stage 3's
-    consolidation gathers through the staging slots (on a GPU, mpi.py would refuse)."""
+    same losses, full_state_dict() and full_grads() as over plain MPI, bitwise; stage 3's
+    consolidation gathers through the staging slots (on a GPU, mpi.py would refuse); a
+    checkpoint and load_full_state_dict restore the weights over staged MPI too."""
     r = run_worker(2, "staged_engine", [], tmp_path, timeout=240)
     assert r["stage3"]["gathers"] > 0 and r["stage3"]["consolidation_staged_steps"] > 0, r
     for stage in range(4):

@@ -1,10 +1,13 @@
 """A stage-0..3 engine over host-staged MPI (StagedMPICommunicator with CPU tensors
 standing in for device memory, tiny slots) against the same engine over plain MPI:
 losses and full_state_dict() bitwise equal, and the consolidation's gather went
-through the staging slots (on a GPU it must: mpi.py refuses device tensors).
+through the staging slots (on a GPU it must: mpi.py refuses device tensors). Then the
+other paths that move model state, all over staged MPI: a checkpoint saved and loaded
+into an engine built from other weights, load_full_state_dict, full_grads.
 Rank 0 writes the JSON."""
 import argparse
 import json
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -26,11 +29,14 @@ def staged_dims() -> ParallelDims:
     return ParallelDims(world=world, dp=world.split(0), tp=world.split(rank))
 
 
-def train(stage: int, dims) -> tuple[list[float], dict, int]:
-    """Losses, full_state_dict() and the staged MPI steps the consolidation took."""
+def config(stage: int) -> dict:
+    return {"stage": stage, "gradient_accumulation_steps": 2, "bucket_size": 300}
+
+
+def train(stage: int, dims) -> tuple[list[float], dict, int, object]:
+    """Losses, full_state_dict(), the staged MPI steps the consolidation took, the engine."""
     model = make_model("odd")
-    engine = zerompi.initialize(model, {"stage": stage, "gradient_accumulation_steps": 2, "bucket_size": 300},
-                                dims=dims)
+    engine = zerompi.initialize(model, config(stage), dims=dims)
     losses = []
     for step in range(3):
         x, y = global_batch(step, 8, 8, vocab_of(model))
@@ -42,19 +48,34 @@ def train(stage: int, dims) -> tuple[list[float], dict, int]:
     if dims is not None:
         dims.dp.stager.trace = []
     sd = engine.full_state_dict()
-    return losses, sd, 0 if dims is None else sum(t[0] == "mpi" for t in dims.dp.stager.trace)
+    return losses, sd, 0 if dims is None else sum(t[0] == "mpi" for t in dims.dp.stager.trace), engine
+
+
+def same(a: dict, b: dict) -> list[str]:
+    """Keys whose tensors differ (rank 0 holds the dicts)."""
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
 
 
 result = {"world": N}
 for stage in map(int, a.stages.split(",")):
-    plain_losses, plain, _ = train(stage, None)
+    plain_losses, plain, _, plain_engine = train(stage, None)
     dims = staged_dims()
-    losses, sd, consolidation_steps = train(stage, dims)
+    losses, sd, consolidation_steps, engine = train(stage, dims)
     assert losses == plain_losses, (stage, losses, plain_losses)
+    grads, plain_grads = engine.full_grads(), plain_engine.full_grads()
     if rank == 0:
-        assert sd.keys() == plain.keys()
-        bad = [k for k in sd if not torch.equal(sd[k], plain[k])]
-        assert not bad, (stage, bad)
+        assert not same(sd, plain), stage
+        assert not same(grads, plain_grads), stage
+    ck = Path(a.out).parent / f"ck-stage{stage}"
+    engine.save_checkpoint(ck)
+    restored = zerompi.initialize(make_model("odd", seed=1), config(stage), dims=staged_dims())
+    restored.load_checkpoint(ck)
+    loaded = zerompi.initialize(make_model("odd", seed=2), config(stage), dims=staged_dims())
+    loaded.load_full_state_dict(sd if rank == 0 else None, strict=False)  # sd holds no buffers
+    sd_restored, sd_loaded = restored.full_state_dict(), loaded.full_state_dict()
+    if rank == 0:
+        assert not same(sd_restored, sd) and not same(sd_loaded, sd), stage
     ops = dims.dp.stats()
     result[f"stage{stage}"] = {"consolidation_staged_steps": consolidation_steps,
                                "gathers": ops.get("gather", {}).get("calls", 0), "ops": sorted(ops)}
