@@ -20,7 +20,7 @@ memory (tests/workers/comm_staged.py). Staged collectives complete before they r
 progress thread. Results equal the unstaged MPICommunicator's: bitwise for data
 movement and the 'ordered' sum (all-to-all + rank-order sum on the device), within
 rounding for 'native' sums (MPI picks its algorithm by message size, and chunks are
-smaller messages). gather() (stage 3's full_state_dict and export, set-up paths) is
+smaller messages). gather() (stage 3's full_state_dict, a set-up path) is
 staged the same way; every collective of the Communicator protocol that takes tensors
 is overridden here (tests/test_comm_gpu.py checks that none is left to mpi.py, which
 refuses device tensors).
