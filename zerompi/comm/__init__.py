@@ -13,8 +13,8 @@ What each backend does (GPU paths are built but have NOT run on a GPU yet: issue
   StagedMPICommunicator (staged.py) moves them through two constant-size pinned host
   slots, double-buffered, copies on a side stream. Staged calls complete before they
   return. The chunk pipeline is tested on CPU (tests/test_comm_gpu.py); the CUDA copier
-  and the CUDA-aware path are unverified. gather() of CUDA tensors is refused unless
-  MPI is CUDA-aware.
+  and the CUDA-aware path are unverified. Every tensor collective is staged, gather()
+  (stage 3's full_state_dict) included.
 - nccl (NCCLCommunicator, nccl.py): CUDA tensors over cupy.cuda.nccl, one GPU per rank;
   own stream ordered by events, async handles whose wait(timeout) aborts the NCCL
   communicator at the deadline; 'ordered' reduce-scatter as all-to-all (grouped

@@ -65,9 +65,13 @@ def unavailable(device: "torch.device | str | None" = None) -> str | None:
     try:
         nccl = _nccl()
     except ImportError as e:
-        return f"cupy is not installed ({e}; pip install cupy-cuda12x or cupy-cuda13x)"
+        return f"cupy is not installed ({e}; pip install -e .[cuda12] or .[cuda13], see README)"
+    except Exception as e:  # noqa: BLE001  a cupy that does not fit this CUDA fails otherwise
+        return f"cupy cannot be imported ({type(e).__name__}: {e})"
     if not getattr(nccl, "available", True):
-        return "cupy was built without NCCL (install nvidia-nccl-cu12 / -cu13)"
+        # CuPy >= 13 loads libnccl at import of cupy.cuda.nccl and sets available=False
+        # when that fails
+        return "cupy cannot load NCCL (install nvidia-nccl-cu12 / -cu13, the one of cupy's CUDA)"
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
