@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench_env import ROOT  # also puts this checkout first on sys.path
 
 # dense bf16 FLOP/s per GPU by name (vendor datasheets), for MFU; 0 when unknown
 PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]

@@ -7,14 +7,12 @@ the same on CUDA tensors through the communicator comm.create picks for it (rank
 sharing one GPU: MPI staged through pinned host memory). Rank 0 prints one JSON line.
 """
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zerompi.comm import create  # noqa: E402
-from zerompi.runtime import init  # noqa: E402
+import bench_env  # noqa: F401  (puts this checkout first on sys.path)
+from zerompi.comm import create
+from zerompi.runtime import init
 
 
 def check(comm, dev) -> None:
