@@ -54,6 +54,7 @@ from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, split_tokens
 from .device import local_rank as node_local_rank
 from .data.check import CheckedSampler, open_agreed
+from .runtime.console import say
 from .runtime.fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
@@ -62,6 +63,7 @@ from .lr_schedule import lr_at, position
 from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
+PROG = "zerompi.train"
 
 
 def _rss_bytes() -> int:
@@ -117,9 +119,8 @@ def _agreed_config(argv: list[str]):
 
             try:
                 check_tp(cfg.model.gpt_config(), tp)
-            except ValueError as e:  # names the model field; the key as typed here
-                raise ValueError(str(e).replace("config key 'tensor_parallel_size'",
-                                                "config key 'zero.tensor_parallel_size'")) from None
+            except ConfigError as e:  # names the model field; the key as typed here
+                raise e.under("zero") from None
     except ValueError as e:
         error = e
     mine = to_dict(cfg) if cfg else None
@@ -127,10 +128,10 @@ def _agreed_config(argv: list[str]):
     if error is None and ref is not None and mine != ref:
         error = "this rank's config differs from rank 0's (same file and arguments everywhere?)"
     errors = runtime.agree(world, error)
-    if errors and world.rank == 0:  # one line for the whole job, naming the first rank that failed
+    if errors:  # one line for the whole job, naming the first rank that failed
         r, _, msg = errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        print(f"zerompi.train: error{f' on rank {r}' if r else ''}: {msg}{more}", file=sys.stderr, flush=True)
+        say(f"error{f' on rank {r}' if r else ''}: {msg}{more}", rank=world.rank, prog=PROG)
     return None if errors else cfg
 
 
@@ -165,7 +166,7 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
     return loss_total / rows_total
 
 
-@runtime.one_line_job_errors("zerompi.train")  # diverged, busy run_dir, resume that does not fit
+@runtime.one_line_job_errors(PROG)  # diverged, busy run_dir, resume that does not fit
 def main(argv: list[str] | None = None) -> int:
     # SIGUSR1/SIGTERM/SIGINT set a flag the loop acts on between steps, on every rank
     # together; a rank blocked in a collective is ended by the watchdog instead.
@@ -237,23 +238,26 @@ def main(argv: list[str] | None = None) -> int:
     check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
                         {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
     start_step = int(client["step"]) if client else 0
+    def info(line: str) -> None:
+        say(line, rank=dims.rank, prog=PROG, err=False)
+
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step)
-        print(f"zerompi.train: {n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
-              f"{dims.world.size} ranks x {threads} threads"
-              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
-              + f", ZeRO stage {cfg.zero.stage} "
-              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-              f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens", flush=True)
-        print(f"zerompi.train: run_dir {run_dir}; "
-              + (f"resumed at step {start_step}" if start_step else "starting at step 0")
-              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
-                 "GFLOP/s per rank (set peak_flops)"), flush=True)
+        info(f"{n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
+             f"{dims.world.size} ranks x {threads} threads"
+             + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
+             + f", ZeRO stage {cfg.zero.stage} "
+             f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
+             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
+        info(f"run_dir {run_dir}; "
+             + (f"resumed at step {start_step}" if start_step else "starting at step 0")
+             + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
+                "GFLOP/s per rank (set peak_flops)"))
         note = batch_note(B, G, dims.dp_size)
         if note:
-            print(f"zerompi.train: {note}", flush=True)
+            info(note)
     dims.world.barrier()  # sync: run_dir exists before anyone writes to it
     progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
 
@@ -307,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
-                if dims.rank == 0:
-                    print(f"zerompi.train: step {done} was not finite: no checkpoint", file=sys.stderr, flush=True)
+                say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
             else:
                 save(engine, ckpt_dir, cfg, done, data_state, model_state(gpt_cfg))  # sync: collective
         if sig and not last:

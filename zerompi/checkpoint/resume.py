@@ -19,13 +19,13 @@
 from __future__ import annotations
 
 import os
-import sys
 
 from .. import runtime
 from ..runtime import JobError
 from . import directory as dirs
 from . import format as fmt
 from .format import CheckpointError
+from ..runtime.console import say
 
 HYPER = ("betas", "eps", "weight_decay")
 
@@ -35,8 +35,7 @@ class ResumeError(JobError):
 
 
 def _say(world, msg: str) -> None:
-    if world.rank == 0:
-        print(f"zerompi: {msg}", file=sys.stderr, flush=True)
+    say(msg, rank=world.rank)
 
 
 def _candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:

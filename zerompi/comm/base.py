@@ -21,8 +21,8 @@ class CommTimeout(RuntimeError):
 
 @runtime_checkable
 class Communicator(Protocol):
-    """What ZeRO needs from a process group. Implemented by MPICommunicator (mpi.py);
-    an NCCL communicator implements the same calls next (issue 11).
+    """What ZeRO needs from a process group. Implemented by MPICommunicator (mpi.py),
+    StagedMPICommunicator (staged.py) and NCCLCommunicator (nccl.py).
 
     Tensors are 1-D contiguous buffers; `send`/`recv` sizes follow the usual collective
     contracts (reduce_scatter: send N*n -> recv n; all_gather: send n -> recv N*n;
@@ -33,6 +33,7 @@ class Communicator(Protocol):
     backend: str
     rank: int
     size: int
+    carries_gpu_tensors: bool   # moves CUDA tensors (NCCL, CUDA-aware or staged MPI)
 
     def all_reduce(self, t, op: str = "sum", async_op: bool = False, scratch=None) -> "Handle | None": ...
     def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False,
@@ -43,6 +44,12 @@ class Communicator(Protocol):
     def gather(self, send, recv, root: int = 0) -> None: ...
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]: ...
     def split(self, color: int, key: int | None = None) -> "Communicator": ...
+    def duplicate(self) -> "Communicator":
+        """A private communicator over the same ranks whose traffic counts in this one's
+        stats (collective): its messages never match this one's."""
+    def set_idle(self, fn: "Callable[[], None] | None") -> None:
+        """`fn` runs while a wait on this communicator polls (stage 3 answers its
+        agreement rounds there: a peer may need this rank before it can complete)."""
     def barrier(self, poll: bool = False) -> None: ...
     def bcast_object(self, obj: Any, root: int = 0) -> Any: ...
     def allgather_object(self, obj: Any) -> list: ...

@@ -116,10 +116,11 @@ class NCCLCommunicator:
         if why:
             raise RuntimeError(why)
         nccl = _nccl()
-        self.mpi = _mpi if _mpi is not None else MPICommunicator(comm, reduce_scatter, _dup=_dup)
+        self._stats = CommStats() if _mpi is None else _mpi._stats
+        # host tensors and objects go through this MPI twin, counted in the same table
+        self.mpi = _mpi if _mpi is not None else MPICommunicator(comm, reduce_scatter, _dup=_dup,
+                                                                  stats=self._stats)
         self.rank, self.size, self.algorithm = self.mpi.rank, self.mpi.size, self.mpi.algorithm
-        self._stats = CommStats()
-        self.mpi._stats = self._stats  # scalars and objects count in the same table
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)
         if self.device.index is None:
@@ -303,9 +304,19 @@ class NCCLCommunicator:
     def allgather_object(self, obj: Any) -> list:
         return self.mpi.allgather_object(obj)
 
+    carries_gpu_tensors = True
+
+    def set_idle(self, fn) -> None:
+        self.mpi.set_idle(fn)  # only host-side waits poll; NCCL work is on the stream
+
     def split(self, color: int, key: int | None = None) -> "NCCLCommunicator":
         sub = self.mpi.split(color, key)  # collective over this group, like the NCCL init after it
         return NCCLCommunicator(reduce_scatter=self.algorithm, device=self.device, _mpi=sub)
+
+    def duplicate(self) -> "NCCLCommunicator":
+        c = self.split(0, self.rank)
+        c._stats = c.mpi._stats = self._stats
+        return c
 
     def stats(self) -> dict:
         return self._stats.as_dict()

@@ -184,6 +184,10 @@ class StagedMPICommunicator(MPICommunicator):
         self.stager = Stager(copier, slot_bytes)
         self.stage_cpu = stage_cpu
 
+    @property
+    def carries_gpu_tensors(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
     def _from_split(self, sub) -> "StagedMPICommunicator":
         c = StagedMPICommunicator(sub, self.algorithm, _dup=False, device=self.device,
                                   slot_bytes=self.stager.slot_bytes, copier=self.stager.copier,

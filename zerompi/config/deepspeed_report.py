@@ -5,10 +5,10 @@ prints), and how values were derived. The trainer adds the rule of which side wi
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 
 from .deepspeed import DeepSpeedConfigWarning, Translation
+from ..runtime.console import say, world_rank
 
 RULE = ("the DeepSpeed file decides precision, optimizer, clipping, batch and schedule, with DeepSpeed's defaults "
         "for what it leaves out; \"auto\", and an optimizer or scheduler block it does not have, keep --config's "
@@ -16,11 +16,7 @@ RULE = ("the DeepSpeed file decides precision, optimizer, clipping, batch and sc
 
 
 def rank0() -> bool:
-    MPI = sys.modules.get("mpi4py.MPI")
-    try:
-        return MPI is None or not MPI.Is_initialized() or MPI.COMM_WORLD.Get_rank() == 0
-    except Exception:
-        return True
+    return world_rank() == 0
 
 
 def notice(t: Translation, source: str) -> str:
@@ -92,12 +88,11 @@ def announce(t: Translation, source: str, lines: list[str], prefix: str) -> None
     if msg and prefix == "zerompi":
         warnings.warn(msg, DeepSpeedConfigWarning, stacklevel=4)
     elif msg:
-        print(f"{prefix}: warning: {msg}", file=sys.stderr, flush=True)
-    out = sys.stdout if prefix != "zerompi" else sys.stderr
+        say(f"warning: {msg}", rank=0, prog=prefix)
     if t.auto:
         lines = [f"{source}: \"auto\" keeps this run's own setting for {len(t.auto)} key(s): "
                  + ", ".join(t.auto)] + lines
     if t.notes:
         lines = lines + [f"{source}: " + "; ".join(t.notes)]
     for line in lines:
-        print(f"{prefix}: {line}", file=out, flush=True)
+        say(line, rank=0, prog=prefix, err=prefix == "zerompi")

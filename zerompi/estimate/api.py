@@ -133,8 +133,8 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
                      bucket=_bucket_at(bucket, n, zcfg, precision, lk, s), micro_batch=micro_batch,
                      global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk)
             for n in dps for s in stages]
-    note = "" if tp == 1 else (f"\nTensor parallelism is not in the engine yet (issue 15): with tp = {tp} "
-                               f"the layout is a flat vector of Ψ/tp = {spec.psi // tp:,} elements.")
+    note = "" if tp == 1 else (f"\nThe layout does not split the model by tensor parallelism: with tp = {tp} "
+                               f"it is a flat vector of Ψ/tp = {spec.psi // tp:,} elements per tp rank.")
     return {"mode": "size", "model": spec.describe() + note, "psi": spec.psi,
             "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
             "mem_per_rank": mem_per_rank, "runs": runs}

@@ -98,8 +98,8 @@ def run(argv: list[str]) -> tuple[dict | list, str]:
         model = api.models.from_params(a.params, a.seq)
     if a.dry_run:
         if a.tp != 1:
-            raise ValueError("--dry-run lays out the engine's real layout, which has no tensor parallelism "
-                             "yet (issue 15): use --tp 1")
+            raise ValueError("--dry-run lays out the engine's layout of the plain model; it does not "
+                             "apply tensor parallelism to it: use --tp 1")
         dps = api.parse_list(a.dp or "1,3,64,1024,4096", "--dp")
         checks = api.parse_list(a.check_ranks, "--check-ranks") if a.check_ranks else None
         res = api.dry_run(model, dps, stages or api.STAGES, precision=a.precision,

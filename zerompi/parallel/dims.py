@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import runtime
+from ..config.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     world: Any   # Communicator over every rank of the job
     dp: Any      # Communicator over the data-parallel group of this rank (ZeRO shards here)
-    tp: Any      # Communicator over the tensor-parallel group of this rank (size 1 until issue 15)
+    tp: Any      # Communicator over the tensor-parallel group of this rank (size 1 without tensor parallelism)
 
     @property
     def dp_rank(self) -> int:
@@ -56,8 +57,7 @@ class ParallelDims:
         base = runtime.init() if world is None else world
         n, r = base.Get_size(), base.Get_rank()
         if tp_size < 1 or n % tp_size:
-            raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: "
-                             f"must divide the number of ranks ({n})")
+            raise ConfigError("tensor_parallel_size", tp_size, f"must divide the number of ranks ({n})")
         make = lambda c: comm_mod.create(c, backend=backend, reduce_scatter=reduce_scatter,  # noqa: E731
                                          device=device)
         world_c = make(base)

@@ -58,9 +58,7 @@ def _placement(named: list) -> Placement:
 
 def _check_dims_device(dims, placement: Placement) -> None:
     """GPU tensors need communicators that move them; the grid is built per device."""
-    from .. import comm as comm_mod
-
-    if placement.is_cuda and not comm_mod.carries_gpu_tensors(dims.dp):
+    if placement.is_cuda and not dims.dp.carries_gpu_tensors:
         raise ValueError(f"the model is on {placement.device} but the process grid's communicators "
                          "move host tensors only: build it with ParallelDims.from_config(config, "
                          "device=...) or let initialize() build it (dims=None)")
@@ -130,12 +128,12 @@ class ZeroEngine:
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
         self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
-                                         cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype))
-        self.reducer.poll = self.param_store.serve
-        if self.param_store.serve is not None and dims.tp.size > 1 and hasattr(dims.tp, "idle"):
+                                         cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype),
+                                         poll=self.param_store.serve)
+        if self.param_store.serve is not None and dims.tp.size > 1:
             # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may
             # need this rank in a stage-3 round first (a cycle over dp x tp otherwise)
-            dims.tp.idle = self.param_store.serve
+            dims.tp.set_idle(self.param_store.serve)
         self.micro_steps = 0      # engine.step() calls
         self.global_steps = 0     # optimizer updates applied
         self.skipped_steps = 0    # fp16 overflow skips

@@ -71,9 +71,7 @@ class PartitionedParams:
         self.cfg, self.model = cfg.stage3, plan.model
         # Gathers on a private duplicate (counted with the group's traffic); rounds
         # (rounds.py) on another (control messages, not the paper's traffic).
-        self.gcomm = comm.split(0, comm.rank)
-        if hasattr(comm, "_stats"):
-            self.gcomm._stats = comm._stats
+        self.gcomm = comm.duplicate()
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
