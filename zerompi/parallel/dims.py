@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import runtime
+from ..comm.base import Communicator
 from ..config.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    world: Any   # Communicator over every rank of the job
-    dp: Any      # Communicator over the data-parallel group of this rank (ZeRO shards here)
-    tp: Any      # Communicator over the tensor-parallel group of this rank (size 1 without tensor parallelism)
+    world: Communicator   # every rank of the job
+    dp: Communicator      # the data-parallel group of this rank (ZeRO shards here)
+    tp: Communicator      # the tensor-parallel group of this rank (size 1 without tensor parallelism)
 
     @property
     def dp_rank(self) -> int:
