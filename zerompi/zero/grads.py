@@ -205,7 +205,3 @@ class GradReducer:
             else:
                 self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res)
         self.slots_free.append(slot)
-
-    def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
