@@ -78,7 +78,7 @@ class ParallelDims:
                                          device=device)
         nodes = nodes or discover(base)
         if world is None and nodes.count > 1:  # the watchdog names COMM_WORLD ranks: add their nodes
-            from .. import watchdog
+            from ..runtime import watchdog
 
             watchdog.name_ranks_with(nodes.name_ranks)
         world_c = make(base)
