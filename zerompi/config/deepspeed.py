@@ -37,8 +37,8 @@ _ZERO_IGNORED = {"allgather_bucket_size", "round_robin_gradients", "sub_group_si
                  "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                  "stage3_max_reuse_distance", "elastic_checkpoint", "load_from_fp32_weights",
                  "ignore_unused_parameters", "legacy_stage1", "cpu_offload",
-                 "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
-                 "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
+                 "offload_param", "zero_quantized_weights",
+                 "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
                  "memory_efficient_linear", "stage3_module_granularity_threshold", "log_trace_cache_warnings"}
 
 
@@ -151,17 +151,40 @@ def _zero(ds: Mapping, out: dict, ignored: list[str]) -> None:
         # max_live_parameters): 0 means no prefetch in both; any other size -> 1 module.
         n = _int("zero_optimization.stage3_prefetch_bucket_size", z["stage3_prefetch_bucket_size"])
         s3["prefetch_modules"] = 0 if n == 0 else 1
+    _hierarchy(z, out, s3)
     if s3:
         out["stage3"] = s3
     for k, v in z.items():
         if k in ("stage", "reduce_bucket_size", "stage3_param_persistence_threshold",
-                 "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "offload_optimizer"):
+                 "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "offload_optimizer",
+                 "zero_hpz_partition_size", "mics_shard_size"):
             continue
         if k in _ZERO_ALWAYS and v is not False:
             continue  # what zerompi does anyway
         if _noop(v) or (k in ("offload_optimizer", "offload_param") and v.get("device", "none") == "none"):
             continue
         ignored.append(f"zero_optimization.{k}")
+
+
+def _hierarchy(z: Mapping, out: dict, s3: dict) -> None:
+    """hpZ and MiCS: DeepSpeed's groups are consecutive ranks, as ours (zero/groups.py).
+    zero_hpz_partition_size K > 1 -> stage3.secondary_partition = K (stage 3 only in both).
+    mics_shard_size K > 0 -> shard_group = K at stage 3; DeepSpeed ignores it at stages
+    1-2 (it shards over the world there), which our shard_group would not: refused."""
+    if _set(z.get("zero_hpz_partition_size")):
+        k = _int("zero_optimization.zero_hpz_partition_size", z["zero_hpz_partition_size"])
+        if k < 1:
+            raise ConfigError("zero_optimization.zero_hpz_partition_size", k, "must be >= 1 (1 = off)")
+        if k > 1:
+            s3["secondary_partition"] = k
+    if _set(z.get("mics_shard_size")):
+        k = _int("zero_optimization.mics_shard_size", z["mics_shard_size"])
+        if k > 0 and out.get("stage", 0) != 3:
+            raise ConfigError("zero_optimization.mics_shard_size", k,
+                              "DeepSpeed applies MiCS at stage 3 only (stages 1-2 shard over all ranks "
+                              "there); set stage 3, or zerompi's zero.shard_group for hybrid stages 1-2")
+        if k > 0:
+            out["shard_group"] = k
 
 
 def _activation_checkpointing(ds: Mapping, out: dict, ignored: list[str]) -> None:
