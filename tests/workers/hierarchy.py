@@ -35,19 +35,20 @@ MODES = {
     "sec2": {"comm": {"hierarchical": "on"}, "stage3": {"secondary_partition": "node"}},
 }
 DEFAULT = ",".join(
-    [f"{p}/s{s}/{m}" for p in ("fp32", "bf16") for s in (1, 2, 3) for m in ("flat", "two", "node")]
-    + [f"{p}/s3/{m}" for p in ("fp32", "bf16") for m in ("sec", "sec2")]
-    + ["fp32/s2/k1", "fp32/s2/two/b4000", "fp32/s2/node/b4000", "fp32/s3/sec2/b4000"]
-    + ["fp32/s2/node+save", "fp32/s3/sec+save", "bf16/s3/node+save",
-       "fp32/s3/sec2<fp32/s2/node", "fp32/s1/two<fp32/s3/sec", "fp32/s3/sec<fp32/s3/sec",
-       "bf16/s1/sec2<bf16/s3/node"])
+    ["fp32/s1/two", "fp32/s1/node", "fp32/s2/two", "fp32/s2/node+save", "fp32/s3/flat", "fp32/s3/sec+save",
+     "fp32/s3/two", "fp32/s3/node", "fp32/s3/sec2",
+     "bf16/s1/flat", "bf16/s1/two", "bf16/s1/node", "bf16/s2/flat", "bf16/s2/two", "bf16/s2/node",
+     "bf16/s3/flat", "bf16/s3/two", "bf16/s3/node+save", "bf16/s3/sec2",
+     "fp32/s3/k1", "fp32/s2/two/b300", "fp32/s2/node/b300",  # K = 1; bucket 300 vs the default 2000
+     "fp32/s3/sec2<fp32/s2/node", "fp32/s1/two<fp32/s3/sec", "fp32/s3/sec<fp32/s3/sec",
+     "bf16/s1/two<bf16/s3/node"])
 LR, CLIP, ROWS, SEQ, GAS = 1e-3, 0.05, 24, 16, 2
 GPT_CFG = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--cases", default=DEFAULT)
-ap.add_argument("--steps", type=int, default=6)
+ap.add_argument("--steps", type=int, default=4)
 ap.add_argument("--tp", type=int, default=1)
 ap.add_argument("--save", default=None, help="directory for the +save cases' checkpoints")
 ap.add_argument("--load", default=None, help="directory of checkpoints for the <FROM cases")
@@ -89,18 +90,22 @@ if world.rank == 0:
     result["floor"] = max((got["floor"][n] - p).abs().max().item() for n, p in REF.items())
 
 
+FLAT: dict = {}  # rank 0: "prec/sS" -> the flat run's full state
+
+
 def run_case(case: str) -> dict:
     save = case.endswith("+save")
     spec, _, src = case.removesuffix("+save").partition("<")
     prec, stage, mode, *rest = spec.split("/")
     stage = int(stage[1:])
-    bucket = int(rest[0][1:]) if rest else 300
+    bucket = int(rest[0][1:]) if rest else 2000
     cfg = {"stage": stage, "precision": prec, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
            "bucket_size": bucket, "tensor_parallel_size": a.tp, "optimizer": {"lr": LR, "weight_decay": 0.01},
            **MODES[mode]}
     dims = ParallelDims.create(tp_size=a.tp)
     model = parallelize(make(), dims.tp) if a.tp > 1 else make()
     engine = zerompi.initialize(model, cfg, dims=dims)
+    t_init = time.perf_counter()
     first = 0
     if src:
         engine.load_checkpoint(f"{a.load}/{src.replace('/', '-')}")
@@ -116,7 +121,7 @@ def run_case(case: str) -> dict:
             engine.backward(loss)
             tot += loss.item()
             engine.step()
-        losses.append(dims.dp.allreduce_scalars([tot])[0] / (dims.dp_size * GAS))
+        losses.append(world.allreduce(tot) / (world.size * GAS))  # not on dp: comm_stats() stays the engine's
         norms.append(engine.last_grad_norm)
         if stage == 3:
             assert not engine.materialized_params(), engine.materialized_params()
@@ -128,9 +133,12 @@ def run_case(case: str) -> dict:
     fills = world.allreduce(sec.fills if sec is not None else 0)
     out = None
     if world.rank == 0:
-        out = {"losses": losses, "norms": norms, "mode": engine.groups.mode,
+        base = FLAT.setdefault(f"{prec}/s{stage}", sd) if mode == "flat" and not src else FLAT.get(f"{prec}/s{stage}")
+        out = {"losses": losses, "train_seconds": time.perf_counter() - t_init, "norms": norms, "mode": engine.groups.mode,
                "group": engine.groups.size, "replicas": engine.groups.replicas,
                "max_diff": max((sd[n] - p).abs().max().item() for n, p in REF.items()),
+               # against the flat run of this precision and stage (run earlier in the list)
+               "diff_flat": None if base is None else max((sd[n] - base[n]).abs().max().item() for n in sd),
                "digest": hashlib.sha256(b"".join(sd[n].numpy().tobytes() for n in sorted(sd))).hexdigest(),
                "memory": engine.memory_report(), "comm": {k: v["elements"] for k, v in stats.items()},
                "secondary_fills": fills, "describe": engine.groups.describe()}
@@ -138,9 +146,10 @@ def run_case(case: str) -> dict:
 
 
 for case in a.cases.split(","):
+    t0 = time.perf_counter()
     r = run_case(case)
     if world.rank == 0:
-        result[case] = r
+        result[case] = dict(r, seconds=time.perf_counter() - t0)
 idle_barrier()
 if world.rank == 0:
     with open(a.out, "w") as f:

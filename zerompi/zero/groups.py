@@ -24,6 +24,7 @@ groups in the same order.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,9 @@ def decide(nodes: list[int], shard_group, hierarchical: str, secondary, stage: i
     """The plan for data-parallel ranks on `nodes` (node of each rank, numbered from 0 in
     order of appearance). Raises ConfigError naming the key that does not fit."""
     n = len(nodes)
-    m = max(nodes) + 1
-    counts = [nodes.count(i) for i in range(m)] if m > 1 else [n]
-    per = counts[0] if len(set(counts)) == 1 else 0
+    counts = Counter(nodes)
+    m = len(counts)
+    per = n // m if len(set(counts.values())) == 1 else 0
     if stage == 0:
         return GroupPlan("flat", n, n, m, per)  # nothing partitioned; the all-reduce stays flat
     sg = shard_group
