@@ -21,7 +21,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from common import global_batch, micro_slices, reference_run
+from common import global_batch, make_model, micro_slices, reference_run, vocab_of
 from zerompi.models.gpt import GPT, GPTConfig
 from zerompi.parallel import ParallelDims
 from zerompi.parallel.parallelize import parallelize
@@ -50,6 +50,8 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--cases", default=DEFAULT)
 ap.add_argument("--steps", type=int, default=4)
 ap.add_argument("--tp", type=int, default=1)
+ap.add_argument("--model", default="gpt", help="gpt (the GPT below) or a tests/workers/common.py model")
+ap.add_argument("--unit-classes", default="auto", help="stage3.unit_classes")
 ap.add_argument("--save", default=None, help="directory for the +save cases' checkpoints")
 ap.add_argument("--load", default=None, help="directory of checkpoints for the <FROM cases")
 a = ap.parse_args()
@@ -58,8 +60,13 @@ HALF = a.steps // 2
 
 
 def make():
+    if a.model != "gpt":
+        return make_model(a.model)  # seeds 0 itself
     torch.manual_seed(0)
     return GPT(GPT_CFG)
+
+
+VOCAB = GPT_CFG.vocab_size if a.model == "gpt" else vocab_of(make())
 
 
 def idle_barrier() -> None:
@@ -102,6 +109,7 @@ def run_case(case: str) -> dict:
     cfg = {"stage": stage, "precision": prec, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
            "bucket_size": bucket, "tensor_parallel_size": a.tp, "optimizer": {"lr": LR, "weight_decay": 0.01},
            **MODES[mode]}
+    cfg["stage3"] = dict(cfg.get("stage3", {}), unit_classes=a.unit_classes)
     dims = ParallelDims.create(tp_size=a.tp)
     model = parallelize(make(), dims.tp) if a.tp > 1 else make()
     engine = zerompi.initialize(model, cfg, dims=dims)
@@ -114,7 +122,7 @@ def run_case(case: str) -> dict:
     for step in range(first, a.steps):
         if step == a.steps - 1:
             engine.reset_comm_stats()  # one whole step's traffic
-        x, y = global_batch(step, ROWS, SEQ, GPT_CFG.vocab_size)
+        x, y = global_batch(step, ROWS, SEQ, VOCAB)
         tot = 0.0
         for sl in micro_slices(ROWS, GAS, dims.dp_rank, dims.dp_size):
             _, loss = engine(x[sl], y[sl])
@@ -131,6 +139,8 @@ def run_case(case: str) -> dict:
     sd = engine.full_state_dict()
     sec = getattr(engine.param_store, "secondary", None)
     fills = world.allreduce(sec.fills if sec is not None else 0)
+    rounds = getattr(engine.param_store, "rounds", None)  # units gathered only for a peer
+    foreign = world.allreduce(rounds.foreign if rounds is not None else 0)
     out = None
     if world.rank == 0:
         base = FLAT.setdefault(f"{prec}/s{stage}", sd) if mode == "flat" and not src else FLAT.get(f"{prec}/s{stage}")
@@ -141,7 +151,7 @@ def run_case(case: str) -> dict:
                "diff_flat": None if base is None else max((sd[n] - base[n]).abs().max().item() for n in sd),
                "digest": hashlib.sha256(b"".join(sd[n].numpy().tobytes() for n in sorted(sd))).hexdigest(),
                "memory": engine.memory_report(), "comm": {k: v["elements"] for k, v in stats.items()},
-               "secondary_fills": fills, "describe": engine.groups.describe()}
+               "secondary_fills": fills, "foreign": foreign, "describe": engine.groups.describe()}
     return out
 
 
