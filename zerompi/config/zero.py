@@ -100,12 +100,13 @@ class CommConfig:
     hierarchical: str = "auto"
     """auto | on | off: two-level reduce-scatter and all-gather for shard_group "world"
     (inside the node, then across nodes; comm/hierarchy.py). Each rank then sends 1/P of
-    a flat ring's bytes over the inter-node link (P ranks per node) in P - 1 + M - 1
+    a flat alltoall's bytes over the inter-node link (P ranks per node) in P - 1 + M - 1
     steps instead of N - 1 (M nodes). auto: on when the data-parallel group spans
     several nodes with several of its ranks on each. Gathers are bitwise the same;
     sums are added node by node ((g0 + g1) + (g2 + g3)), so results differ from flat
     ones in the last bits (within the parity floor), still independent of the bucket
-    size. Stage 0 and other shard groups: flat."""
+    size. Stage 0 and other shard groups: flat. With reduce_scatter "native" the
+    reduce-scatter is the library's flat one (only the all-gather has two levels)."""
 
     def __post_init__(self) -> None:
         if self.hierarchical not in ("auto", "on", "off"):
