@@ -17,8 +17,10 @@ and process the cluster creates is removed on exit, also on error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -101,6 +103,15 @@ def run_one(net: NetCluster, work: Path, tag: str, stage: int, mode: str, precis
     return dict(res, tx_per_step=tx, rx_per_step=rx, cross_bytes_per_step=sum(tx.values()))
 
 
+@contextlib.contextmanager
+def _removed(path: Path):
+    """The handshake files go with the run, whatever happens."""
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate-mbit", type=float, default=100.0)
@@ -117,7 +128,7 @@ def main() -> int:
     runs = []
     t_start = time.time()
     work = Path(tempfile.mkdtemp(prefix="bench-hier-"))
-    with NetCluster(nodes=2, rate_mbit=a.rate_mbit) as net:
+    with NetCluster(nodes=2, rate_mbit=a.rate_mbit) as net, _removed(work):
         for i, (stage, mode, rate) in enumerate(plan):
             for node in net.nodes:
                 net.shape(node, rate_mbit=rate or 0)
