@@ -122,6 +122,8 @@ class SlurmCluster:
         self.cred_expire = cred_expire
         self.startup_timeout = startup_timeout
         self.node = _short_hostname()
+        # Where slurmctld listens and which nodes exist (tests/netslurm.py changes them).
+        self.ctld_addr, self.node_addrs, self.slurmd_timeout = "127.0.0.1", None, 300
         # Unique tag put in every daemon's and job's environment, so teardown
         # can find stray slurmstepd/task processes of *this* cluster by PID.
         self.tag = secrets.token_hex(8)
@@ -150,9 +152,11 @@ class SlurmCluster:
         conf = slurm_conf(w=w, node=self.node, cpus=self.cpus, real_memory_mb=real_memory_mb(),
                           ctld_port=self.ctld_port, slurmd_port=self.slurmd_port,
                           munge_socket=self.munge_socket, cred_expire=self.cred_expire,
-                          first_job_id=self.first_job_id)
+                          first_job_id=self.first_job_id, ctld_addr=self.ctld_addr,
+                          nodes=self.node_addrs, slurmd_timeout=self.slurmd_timeout)
         self.conf.write_text(conf)
-        (w / "spool" / self.node).mkdir(exist_ok=True)
+        for node, _ in self.node_addrs or [(self.node, None)]:
+            (w / "spool" / node).mkdir(exist_ok=True)
 
         self.env = cluster_env(self.conf, self.tag)
 
@@ -206,12 +210,18 @@ class SlurmCluster:
             self._spawn("slurmctld", [_find("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf)])
             self._wait_until("slurmctld", lambda: "UP" in self.scontrol("ping", check=False).stdout,
                              self.startup_timeout)
-            self._spawn("slurmd", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-            self._wait_until("node idle", lambda: self._node_state() == "idle", self.startup_timeout)
+            self._start_slurmds()
+            self._wait_until("node idle", self._nodes_idle, self.startup_timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_slurmds(self) -> None:  # one per node (tests/netslurm.py: several)
+        self._spawn("slurmd", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
+
+    def _nodes_idle(self) -> bool:
+        return self._node_state() == "idle"
 
     # -------------------------------------------------------------- helpers
     def run(self, argv: list[str], *, timeout: float = 30, check: bool = True,
@@ -230,8 +240,8 @@ class SlurmCluster:
     def scontrol(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         return self.run(["scontrol", *args], check=check, timeout=timeout)
 
-    def _node_state(self) -> str:
-        r = self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], check=False, timeout=10)
+    def _node_state(self, node: str | None = None) -> str:
+        r = self.run(["sinfo", "-h", "-N", "-n", node or self.node, "-o", "%T"], check=False, timeout=10)
         return r.stdout.strip().rstrip("*~#$@+")
 
     def sbatch(self, script: str | os.PathLike, *args: str, options=(), cwd=None,
@@ -351,7 +361,7 @@ class SlurmCluster:
                 self.cancel_all()
         except Exception:
             pass  # teardown must go on
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [n for n in self._procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             p = self._procs.get(name)
             if p is not None:
                 self._terminate(p, grace=10)

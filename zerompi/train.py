@@ -21,7 +21,8 @@ checkpoint, so re-running the same command is always safe.
 Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs), or a resume
-         or data set that does not fit (docs/reliability.md)
+         or data set that does not fit (docs/reliability.md), or nodes that hold different
+         numbers of ranks (parallel/nodes.py)
     124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue
          the job, as slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch
          shell, which relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
@@ -52,7 +53,6 @@ from .runtime import rundir, watchdog
 from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
 from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, split_tokens
-from .device import local_rank as node_local_rank
 from .data.check import CheckedSampler, open_agreed
 from .runtime.console import say
 from .runtime.fileio import atomic_write
@@ -60,6 +60,7 @@ from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
 from .lr_schedule import lr_at, position
+from .parallel.nodes import discover as discover_nodes
 from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
@@ -183,15 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     # ---------------------------------------------------------------- process grid
-    local_rank, local_ranks = node_local_rank(runtime.init())
+    # sync: which ranks share a node; an uneven layout ends the job here (one line, exit 2)
+    nodes = discover_nodes(runtime.init())
+    local_rank, local_ranks = nodes.local_rank, nodes.per_node
     device = torch.device("cpu")
     if cfg.device == "cuda":  # visible on every rank: checked with the config
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     # sync: communicators for where the tensors live (NCCL / device MPI on GPUs)
-    dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None)
+    dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None, nodes=nodes)
     threads = cfg.threads or _threads_per_rank(local_ranks)
     torch.set_num_threads(threads)
+    if dims.rank == 0:
+        print(f"zerompi.train: {nodes.describe()}: {nodes.listing()}", flush=True)
 
     # ---------------------------------------------------------------- data
     if cfg.data == "default":

@@ -15,6 +15,29 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from ..runtime.watchdog import waiting
 
 
+# Chains in flight (chain.py): collectives of several steps whose next step starts only
+# when this process polls. A peer may wait on a step this rank has yet to start, so every
+# wait below polls them instead of blocking inside MPI while any exists.
+ACTIVE_CHAINS: list = []
+_progressing = False
+
+
+def progress_chains() -> bool:
+    """Advance every chain in flight as far as it goes without blocking; True if any
+    step completed or started. Not re-entrant (a step's own wait may poll)."""
+    global _progressing
+    if _progressing or not ACTIVE_CHAINS:
+        return False
+    _progressing = True
+    try:
+        moved = False
+        for c in list(ACTIVE_CHAINS):
+            moved = c.advance() or moved
+        return moved
+    finally:
+        _progressing = False
+
+
 class CommTimeout(RuntimeError):
     """A collective did not complete by its deadline (a peer is stuck or gone)."""
 
@@ -43,7 +66,10 @@ class Communicator(Protocol):
     def broadcast(self, t, root: int = 0) -> None: ...
     def gather(self, send, recv, root: int = 0) -> None: ...
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]: ...
-    def split(self, color: int, key: int | None = None) -> "Communicator": ...
+    def split(self, color: int, key: int | None = None,
+              counted_with: "Communicator | None" = None) -> "Communicator":
+        """MPI_Comm_split (collective); counted_with: count the new group's traffic in
+        that communicator's stats (e.g. the data-parallel group's comm_stats())."""
     def duplicate(self) -> "Communicator":
         """A private communicator over the same ranks whose traffic counts in this one's
         stats (collective): its messages never match this one's."""
@@ -107,18 +133,24 @@ class Handle:
             return
         t0 = time.perf_counter()
         with waiting(self._op):  # the watchdog's deadline covers every wait
-            if timeout is None and self._idle is None:
+            if timeout is None and self._idle is None and not ACTIVE_CHAINS:
                 self._wait_fn()
             else:
                 pause = 1e-5
                 while not self._test_fn():
+                    moved = progress_chains()
                     if self._idle is not None:
                         self._idle()
                     if timeout is not None and time.perf_counter() - t0 > timeout:
                         raise CommTimeout(f"{self._op}: not complete after {timeout:g} s (a peer rank "
                                           "is stuck, gone, or issued a different collective)")
+                    if moved:
+                        pause = 1e-5
+                        continue
                     time.sleep(pause)
-                    pause = min(2 * pause, 1e-2)  # back off: short waits stay fast
+                    # back off: short waits stay fast; while chains run, a peer's next step
+                    # may be ours to start, so never sleep long
+                    pause = min(2 * pause, 2e-4 if ACTIVE_CHAINS else 1e-2)
             if self._finish is not None:
                 self._finish()
         self.done = True

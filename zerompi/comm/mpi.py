@@ -279,15 +279,16 @@ class MPICommunicator:
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
 
-    def split(self, color: int, key: int | None = None) -> "MPICommunicator":
+    def split(self, color: int, key: int | None = None, counted_with=None) -> "MPICommunicator":
         with waiting("split"):
             sub = self.comm.Split(color, self.rank if key is None else key)
-        return self._from_split(sub)
+        c = self._from_split(sub)
+        if counted_with is not None:
+            c._stats = counted_with._stats  # a communicator of this package: same table
+        return c
 
     def duplicate(self) -> "MPICommunicator":
-        c = self.split(0, self.rank)
-        c._stats = self._stats
-        return c
+        return self.split(0, self.rank, counted_with=self)
 
     def _from_split(self, sub) -> "MPICommunicator":
         return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False,

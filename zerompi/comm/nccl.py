@@ -309,14 +309,13 @@ class NCCLCommunicator:
     def set_idle(self, fn) -> None:
         self.mpi.set_idle(fn)  # only host-side waits poll; NCCL work is on the stream
 
-    def split(self, color: int, key: int | None = None) -> "NCCLCommunicator":
-        sub = self.mpi.split(color, key)  # collective over this group, like the NCCL init after it
+    def split(self, color: int, key: int | None = None, counted_with=None) -> "NCCLCommunicator":
+        # collective over this group, like the NCCL init after it; the twin carries the table
+        sub = self.mpi.split(color, key, counted_with=counted_with)
         return NCCLCommunicator(reduce_scatter=self.algorithm, device=self.device, _mpi=sub)
 
     def duplicate(self) -> "NCCLCommunicator":
-        c = self.split(0, self.rank)
-        c._stats = c.mpi._stats = self._stats
-        return c
+        return self.split(0, self.rank, counted_with=self)
 
     def stats(self) -> dict:
         return self._stats.as_dict()

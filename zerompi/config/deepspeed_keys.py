@@ -197,8 +197,10 @@ _TABLE = [
     Key("zero_optimization.load_from_fp32_weights", IGNORE, "zerompi checkpoints hold fp32 weights", True),
     Key("zero_optimization.elastic_checkpoint", IGNORE, "zerompi checkpoints load at any world size", False),
     Key("zero_optimization.legacy_stage1", IGNORE, "an older stage-1 implementation; same math", False),
-    Key("zero_optimization.zero_hpz_partition_size", IGNORE, "ZeRO++ hpZ keeps a secondary copy; same math", 1),
-    Key("zero_optimization.mics_shard_size", IGNORE, "MiCS shards within groups; same math", -1),
+    Key("zero_optimization.zero_hpz_partition_size", MAP, "stage3.secondary_partition = K (ZeRO++ hpZ: backward "
+        "re-gathers inside groups of K consecutive ranks; 1 = off)", 1),
+    Key("zero_optimization.mics_shard_size", MAP, "shard_group = K at stage 3 (MiCS; -1 = off); refused below "
+        "stage 3, where DeepSpeed ignores it and shards over every rank", -1),
     Key("zero_optimization.mics_hierarchical_params_gather", IGNORE, "MiCS gathering; same math", False),
     Key("zero_optimization.zero_quantized_weights", REFUSE, _ZPP, False),
     Key("zero_optimization.zero_quantized_nontrainable_weights", REFUSE, _ZPP, False),

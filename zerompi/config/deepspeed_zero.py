@@ -20,6 +20,7 @@ def map_zero(v: Values, t, precision: str, dp, run) -> None:
     stage = int(z.get("stage", run("zero.stage")))
     _offload(v, z)
     _stage3(v, z)
+    _hierarchy(v, z, stage)
     _checkpointing(v, z)
     # DeepSpeed reduces and accumulates gradients in the parameters' dtype unless told otherwise.
     if not v.auto("communication_data_type"):
@@ -68,6 +69,23 @@ def _stage3(v: Values, z: dict) -> None:
         s3["prefetch_modules"] = 0 if n == 0 else 1
     if s3:
         z["stage3"] = s3
+
+
+def _hierarchy(v: Values, z: dict, stage: int) -> None:
+    """hpZ and MiCS: DeepSpeed's groups are consecutive ranks, as zerompi's (zero/groups.py)."""
+    key = "zero_optimization.zero_hpz_partition_size"
+    k = v.number(key, integer=True, low=1)
+    if k > 1:
+        z.setdefault("stage3", {})["secondary_partition"] = k
+    key = "zero_optimization.mics_shard_size"
+    k = v.get(key)
+    if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+        raise ConfigError(v.name(key), k, "expected -1 (off) or an integer >= 1")
+    if k > 0 and stage != 3:
+        raise ConfigError(v.name(key), k, "DeepSpeed applies MiCS at stage 3 only (stages 1-2 shard over all "
+                          "ranks there); set stage 3, or zerompi's zero.shard_group for hybrid stages 1-2")
+    if k > 0:
+        z["shard_group"] = k
 
 
 def _checkpointing(v: Values, z: dict) -> None:

@@ -171,6 +171,38 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
             "seconds": time.perf_counter() - t0, "runs": runs}
 
 
+def hierarchy(model, dps: Sequence[int], ranks_per_node: int, stages: Sequence[int] | None = None, *,
+              precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
+              bucket: "int | str | None" = None, modes: dict | None = None, link=None, intra_link="nvlink",
+              alpha=None, beta=None, seq_len: int = 0, zero: ZeroConfig | None = None) -> dict:
+    """Per-rank memory and bytes per step inside and across nodes for each hierarchy mode
+    (hierarchy.MODES, or `modes` {name: settings}) at N ranks, `ranks_per_node` per node."""
+    from . import hierarchy as hier
+
+    spec, zcfg_cfg, _ = resolve_model(model, seq_len)
+    zcfg = zero or zcfg_cfg or ZeroConfig(precision="bf16")
+    precision = precision or zcfg.precision
+    gdt = grad_accum_dtype or zcfg.grad_accum_dtype
+    gas = gas or zcfg.gradient_accumulation_steps
+    stages = list(stages) if stages else [1, 2, 3]
+    _check(dps, stages, 1, gas)
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"--ranks-per-node must be an integer >= 1 (got {ranks_per_node!r})")
+    inter, intra = resolve_link(link, alpha, beta), resolve_link(intra_link)
+    runner = DryRun(spec, zcfg)
+    out = []
+    for n in dps:
+        for s in stages:
+            for name, st in (modes or hier.MODES).items():
+                if st["secondary"] != "off" and s != 3:
+                    continue  # stage 3 only
+                out.append(hier.price(runner, n, ranks_per_node, s, st, precision, gas, gdt,
+                                      _bucket_at(bucket, n, zcfg, precision, None, s), inter, intra))
+    return {"mode": "hierarchy", "model": spec.describe(), "psi": spec.psi,
+            "settings": _settings(zcfg, precision, gdt, gas, 1, bucket), "runs": out,
+            "links": {"inter": inter.name, "intra": intra.name}}
+
+
 def parse_list(text: str, what: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16] (also '4096', '1e3'); the error names the option."""
     out = []

@@ -6,6 +6,8 @@
         [--mem-per-rank 80GiB] [--link ndr-ib] activations, largest micro-batch) and the
                                              collectives of one step with predicted time
   ... --dry-run --dp 4096                    the engine's real layout at N virtual ranks
+  ... --ranks-per-node 8                     + each hierarchy mode: memory, bytes inside
+                                             and across nodes, time (docs/scaling.md)
   --json                                     the same data for machines
 
 Bad input prints one line ("zerompi.estimate: error: ...") and exits with status 2.
@@ -26,6 +28,7 @@ EXAMPLES = """examples:
   python -m zerompi.estimate --config configs/gpt2-124m-gpu.toml --dp 8,64,512 --mem-per-rank 80GiB
   python -m zerompi.estimate --model gpt-7.5b --dp 1024 --stage 3 --link ndr-ib
   python -m zerompi.estimate --model gpt-7.5b --dry-run --dp 4096
+  python -m zerompi.estimate --model gpt-7.5b --dp 1024 --stage 3 --ranks-per-node 8 --link ndr-ib
 model presets: """
 
 
@@ -69,6 +72,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--beta", type=float, default=None, help="seconds per byte (1 / bandwidth)")
     p.add_argument("--check-ranks", default=None, help="dry run: ranks whose real elements are "
                    "recounted from layout.pieces (default: 0, the most padded rank, N-1)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node: add the hierarchy "
+                   "modes (hybrid sharding, two-level collectives, stage-3 secondary partition)")
+    p.add_argument("--intra-link", choices=sorted(cost_model.PRESETS), default="nvlink",
+                   help="link inside a node for --ranks-per-node (default nvlink; --link is across nodes)")
+    p.add_argument("--shard-group", default=None, help="with --ranks-per-node: one mode, world | node | K")
+    p.add_argument("--hierarchical", choices=("auto", "on", "off"), default=None,
+                   help="with --ranks-per-node: one mode's zero.comm.hierarchical")
+    p.add_argument("--secondary-partition", default=None, help="with --ranks-per-node: one mode's "
+                   "zero.stage3.secondary_partition (off | node | K)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -96,6 +108,8 @@ def run(argv: list[str]) -> tuple[dict | list, str]:
         if a.params != a.params or a.params < 1:
             raise ValueError(f"--params must be >= 1 (got {a.params})")
         model = api.models.from_params(a.params, a.seq)
+    if a.ranks_per_node is not None:
+        return _hierarchy(a, model, stages, bucket)
     if a.dry_run:
         if a.tp != 1:
             raise ValueError("--dry-run lays out the engine's layout of the plain model; it does not "
@@ -115,6 +129,40 @@ def run(argv: list[str]) -> tuple[dict | list, str]:
                    tp=a.tp, bucket=bucket, micro_batch=a.micro_batch, seq_len=a.seq, mem_per_rank=mem,
                    link=a.link, alpha=a.alpha, beta=a.beta)
     return res, report.render_sizing(res)
+
+
+def _mode_value(v: str | None, default: str):
+    if v is None:
+        return default
+    return int(v) if v.isdigit() else v
+
+
+def _hierarchy(a, model, stages, bucket) -> tuple[dict, str]:
+    """--ranks-per-node: the dry run's (or the sizing's) tables, then every mode priced."""
+    from . import hierarchy as hier
+
+    if a.tp != 1:
+        raise ValueError("--ranks-per-node prices the engine's layout, which the estimator builds at tp 1: use --tp 1")
+    dps = api.parse_list(a.dp or "1024", "--dp")
+    modes = None
+    if any(v is not None for v in (a.shard_group, a.hierarchical, a.secondary_partition)):
+        modes = {"config": {"shard_group": _mode_value(a.shard_group, "world"),
+                            "hierarchical": a.hierarchical or "auto",
+                            "secondary": _mode_value(a.secondary_partition, "off")}}
+    first = a.dry_run and api.dry_run(model, dps, stages or api.STAGES, precision=a.precision,
+                                       grad_accum_dtype=a.grad_accum_dtype, gas=a.gas, bucket=bucket,
+                                       seq_len=a.seq)
+    res = api.hierarchy(model, dps, a.ranks_per_node, stages, precision=a.precision,
+                        grad_accum_dtype=a.grad_accum_dtype, gas=a.gas, bucket=bucket, modes=modes,
+                        link=a.link or ("ndr-ib" if a.alpha is None and a.beta is None else None),
+                        intra_link=a.intra_link, alpha=a.alpha, beta=a.beta, seq_len=a.seq)
+    inter, intra = api.resolve_link(res["links"]["inter"]), api.resolve_link(res["links"]["intra"])
+    text = [res["model"], res["settings"]]
+    if first:
+        res["dry_run"] = first
+        text += ["", report.render_dry_run(first)]
+    text += ["", hier.render(res["runs"], inter, intra)]
+    return res, "\n".join(text)
 
 
 def main(argv: list[str] | None = None) -> int:
