@@ -62,7 +62,7 @@ class _Delegating:
         self.idle = fn
 
     def duplicate(self):
-        return self.split(0, self.rank)
+        return self.split(0, self.rank, counted_with=self)
 
     def all_reduce(self, t, op: str = "sum", async_op: bool = False, scratch=None):
         return self.flat.all_reduce(t, op=op, async_op=async_op, scratch=scratch)
@@ -112,12 +112,12 @@ class TwoLevel(_Delegating):
         self.idle = None
 
     def split(self, color: int, key: int | None = None, counted_with=None) -> "TwoLevel":
-        """A private duplicate (color 0, own rank): what stage 3 takes for its gathers and
-        rounds. The duplicate counts into the same statistics."""
+        """A private copy (color 0, own rank): stage 3 takes one for its gathers (counted
+        with this one: duplicate()) and one for its agreement rounds (not counted)."""
         if color != 0 or (key is not None and key != self.rank) or counted_with not in (None, self):
             raise ValueError("a two-level communicator only duplicates itself (split(0, rank))")
-        return TwoLevel(self.flat.duplicate(), self.intra.split(0, self.intra.rank),
-                        self.cross.split(0, self.cross.rank))
+        flat = self.flat.split(0, self.flat.rank, counted_with=self.flat if counted_with is self else None)
+        return TwoLevel(flat, self.intra.split(0, self.intra.rank), self.cross.split(0, self.cross.rank))
 
     def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False, scratch=None):
         B, c = send.numel(), recv.numel()

@@ -175,7 +175,8 @@ def build(dims, cfg, stage: int) -> ShardGroups:
         color, pos = (nodes[r], local) if plan.by_node else (r // plan.k, r % plan.k)
         out.shard = dp.split(color, r, counted_with=dp)
         out.replica = dp.split(pos, color)
-        out.reduce = Replicated(out.shard.duplicate(), out.replica, dp)
+        # the reducer's own copy of the group, uncounted: Replicated counts the whole operation
+        out.reduce = Replicated(out.shard.split(0, out.shard.rank), out.replica, dp)
     if plan.secondary:
         color = nodes[r] if cfg.stage3.secondary_partition == "node" else r // plan.secondary
         out.secondary = dp.split(color, r, counted_with=dp)
