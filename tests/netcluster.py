@@ -184,9 +184,10 @@ class NetCluster:
 
     # ----------------------------------------------------------- running things
     def node_exec_argv(self, node: str, argv: list[str]) -> list[str]:
-        """argv that runs `argv` inside `node` (see `_enter`)."""
+        """argv that runs `argv` inside `node` (see `_enter`), as the same process: its
+        PID is the one a Popen of this argv reports."""
         return [sys.executable, str(HERE / "netcluster.py"), "exec", str(self.workdir), node,
-                " ".join(shlex.quote(a) for a in argv)]
+                "exec " + " ".join(shlex.quote(a) for a in argv)]
 
     def mpiexec_argv(self, n: int | None = None, ppn: int = 2, nodes: list[str] | None = None) -> list[str]:
         """`mpiexec` across `nodes` (default all) with `ppn` ranks each, over TCP on eth0."""
@@ -289,7 +290,7 @@ def _enter(workdir: str, node: str, command: str) -> None:
     setup += [f"mkdir -p {shlex.quote(d)} && mount -t tmpfs tmpfs {shlex.quote(d)}" for d in private]
     os.execv(_which("nsenter"), ["nsenter", f"--net=/run/netns/{node}", _which("unshare"), "--uts", "--ipc",
                                  "--mount", "--propagation", "private", "sh", "-c",
-                                 " && ".join(setup) + f" && exec sh -c {shlex.quote(command)}"])
+                                 " && ".join(setup) + ' && eval "$1"', "node-exec", command])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ class NetSlurm(SlurmCluster):
     stays up before slurmctld marks it down and requeues its jobs (node-loss tests)."""
 
     def __init__(self, net, slurmd_timeout: int = 10, **kw):
-        kw.setdefault("cpus", 2)  # per node: --ntasks-per-node=2 at one core per task
+        # Declared, not real: the multi-node template asks 8 cores per task, 2 tasks per
+        # node. Tests give the trainer its threads through the config (threads = 1).
+        kw.setdefault("cpus", 16)
         super().__init__(**kw)
         self.net = net
         self.node = f"zc{net.tag}"  # slurmctld's host name (SlurmctldHost)
