@@ -4,6 +4,7 @@ with mpiexec across nodes, and reading what a run left behind."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ SITE_ENV = {"DEVICE": "cpu", "UCX_NET_DEVICES": "eth0", "UCX_TLS": "tcp,sm,self"
 def write_config(path: Path, max_steps: int, stage: int = 2, top: str = "", zero: str = "") -> Path:
     """The config at `path`: max_steps, the ZeRO stage, extra TOML lines at the top
     level (`top`) and in [zero] (`zero`)."""
-    text = top + CONFIG.format(max_steps=max_steps).replace("[zero]\nstage = 2\n", f"[zero]\nstage = {stage}\n{zero}")
+    text = CONFIG.format(max_steps=max_steps).replace("[zero]\nstage = 2\n", f"[zero]\nstage = {stage}\n{zero}")
+    for line in top.splitlines():  # a key given here replaces the template's
+        text = re.sub(rf"^{re.escape(line.split('=')[0].strip())} = .*\n", "", text, flags=re.M)
+    text = top + text
     path.write_text(text)
     return path
 
