@@ -1,7 +1,7 @@
 """A run directory that the nodes do not share (zerompi/checkpoint/shared.py): node 2
 sees a node-private tmpfs over it (tests/netcluster.py private_dirs), as a node-local
 disk would give. The first save stops the job with one message naming the nodes, exit
-2, and leaves nothing behind; a shared directory passes the same check unnoticed."""
+2, and leaves nothing behind."""
 from __future__ import annotations
 
 from multinode_jobs import train_mpiexec, write_config
@@ -10,14 +10,8 @@ from multinode_jobs import train_mpiexec, write_config
 def test_run_dir_not_shared_is_one_message_and_nothing_left(net_nodes, tmp_path):
     net = net_nodes
     cfg = write_config(tmp_path / "fast.toml", max_steps=2)
-    shared, private = tmp_path / "shared", tmp_path / "private"
-
-    r = train_mpiexec(net, cfg, shared)  # the check passes and leaves no trace
-    assert r.returncode == 0, r.stdout[-3000:]
-    saved = sorted(p.name for p in (shared / "checkpoints").iterdir())
-    assert saved == ["latest", "step_0000002"], saved
-    assert not list((shared / "checkpoints" / "step_0000002").glob(".node-*"))
-
+    private = tmp_path / "private"
+    # (A shared directory passes the same check without a trace: test_multinode_slurm.py.)
     net.set_private_dirs([private], nodes=[net.nodes[1]])
     try:
         r = train_mpiexec(net, cfg, private)

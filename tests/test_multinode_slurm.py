@@ -67,3 +67,5 @@ def test_template_trains_checkpoints_requeues_resumes_bitwise(net_slurm, net_nod
     assert [m["loss"] for m in got] == [m["loss"] for m in want], (got, want)
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
     assert same_states(checkpoint_states(run_dir), checkpoint_states(ref)) == []
+    # The first save checked that both nodes see the run directory, and left no marker.
+    assert not list((run_dir / "checkpoints").glob("*/.node-*")), list((run_dir / "checkpoints").rglob("*"))
