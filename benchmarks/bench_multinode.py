@@ -162,7 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--replays", type=int, default=3)
+    ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--alpha", type=float, default=50e-6)
     ap.add_argument("--max-busy", type=float, default=0.15)
     ap.add_argument("--max-wait", type=float, default=300)

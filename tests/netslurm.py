@@ -44,12 +44,5 @@ class NetSlurm(SlurmCluster):
             argv = self.net.node_exec_argv(name[len("slurmd-"):], argv)
         return super()._spawn(name, argv, **kw)
 
-    def _start_slurmds(self) -> None:
-        for node in self.net.nodes:
-            self._spawn(f"slurmd-{node}", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", node])
-
-    def _nodes_idle(self) -> bool:
-        return all(self._node_state(n) == "idle" for n in self.net.nodes)
-
     def node_states(self) -> dict[str, str]:
         return {n: self._node_state(n) for n in self.net.nodes}
