@@ -1,13 +1,20 @@
-"""slurm/multinode-ib.sbatch across two simulated nodes, unchanged, with only the site
-knobs of the "Ethernet / TCP" variant (slurm/README.md) in the environment: it trains
-4 ranks on 2 nodes, checkpoints on SIGUSR1, requeues itself, and the requeued run
-resumes bitwise: losses and final states equal an uninterrupted mpiexec run's."""
+"""Training across two simulated nodes, 4 ranks, launched two ways:
+- slurm/multinode-ib.sbatch, unchanged, with only the site knobs of the "Ethernet / TCP"
+  variant (slurm/README.md) in the environment: it trains, checkpoints on SIGUSR1,
+  requeues itself, and the requeued run resumes;
+- mpiexec with a host list: uninterrupted, and stopped by SIGUSR1 at another step and
+  launched again.
+All three end bitwise equal: losses, gradient norms and every saved state."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 
-from multinode_jobs import (REPO, SITE_ENV, checkpoint_states, metrics, same_states, train_mpiexec,
-                            wait_steps, write_config)
+from mpirun import mpi_env
+from multinode_jobs import (REPO, SITE_ENV, checkpoint_states, metrics, same_states, train_argv,
+                            train_mpiexec, wait_steps, write_config)
 from slurm_cluster import TERMINAL_STATES
 from slurm_jobs import _diag, _read
 from test_slurm_templates import _in_order
@@ -62,10 +69,39 @@ def test_template_trains_checkpoints_requeues_resumes_bitwise(net_slurm, net_nod
     r = train_mpiexec(net_nodes, cfg, ref)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "zerompi.train: 4 ranks on 2 nodes (2 per node)" in r.stdout, r.stdout[-3000:]
-    got, want = metrics(run_dir), metrics(ref)
-    assert [m["step"] for m in got] == list(range(1, k + MORE + 1)), why()
-    assert [m["loss"] for m in got] == [m["loss"] for m in want], (got, want)
-    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
-    assert same_states(checkpoint_states(run_dir), checkpoint_states(ref)) == []
+    stopped = tmp_path / "stopped"
+    k2 = _mpiexec_stopped_and_resumed(net_nodes, tmp_path / "fast2.toml", stopped, k + MORE, avoid=k)
+    want = metrics(ref)
+    assert [m["step"] for m in want] == list(range(1, k + MORE + 1))
+    for run, at in ((run_dir, k), (stopped, k2)):
+        got = metrics(run)
+        assert [m["step"] for m in got] == list(range(1, k + MORE + 1)), (run, got)
+        assert [m["loss"] for m in got] == [m["loss"] for m in want], (run, at, got, want)
+        assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want], (run, at)
+        assert same_states(checkpoint_states(run), checkpoint_states(ref)) == [], (run, at)
     # The first save checked that both nodes see the run directory, and left no marker.
     assert not list((run_dir / "checkpoints").glob("*/.node-*")), list((run_dir / "checkpoints").rglob("*"))
+
+
+def _mpiexec_stopped_and_resumed(net, cfg, run_dir, max_steps: int, avoid: int) -> int:
+    """mpiexec across the nodes, SIGUSR1 to mpiexec (it forwards it to every rank) once
+    step `avoid` + 1 is done (so the checkpoint is at another step than the Slurm job's),
+    then the same command again to max_steps; returns the step of the checkpoint."""
+    write_config(cfg, max_steps=1_000_000)
+    p = subprocess.Popen(net.mpiexec_argv(ppn=2) + train_argv(cfg, run_dir), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=mpi_env(), cwd=REPO, start_new_session=True)
+    try:
+        wait_steps(run_dir, avoid + 1, lambda: p.poll() is None)
+        p.send_signal(signal.SIGUSR1)
+        out = p.communicate(timeout=120)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 124, out[-3000:]
+    k2 = len(metrics(run_dir))
+    assert f"SIGUSR1 received: checkpoint of step {k2} saved" in out and avoid < k2 < max_steps, out[-3000:]
+    write_config(cfg, max_steps=max_steps)
+    r = train_mpiexec(net, cfg, run_dir)
+    assert r.returncode == 0 and f"resumed at step {k2}" in r.stdout, r.stdout[-3000:]
+    return k2
