@@ -38,14 +38,14 @@ class RunDirNotShared(runtime.JobError):
     exit_code = 2
 
 
-def _appears(path: str, seconds: float) -> bool:
-    # By exact name (a lookup, not a listing): NFS revalidates a name on lookup.
+def _missing(paths: list[str], seconds: float) -> list[str]:
+    """Those of `paths` that have not appeared within `seconds` (all waited for at once).
+    By exact name, a lookup rather than a listing: NFS revalidates a name on lookup."""
     t_end = time.monotonic() + seconds
     while True:
-        if os.path.exists(path):
-            return True
-        if time.monotonic() > t_end:
-            return False
+        paths = [p for p in paths if not os.path.exists(p)]
+        if not paths or time.monotonic() > t_end:
+            return paths
         time.sleep(0.1)
 
 
@@ -61,7 +61,7 @@ def check_once(dims, directory: str, tmp: str) -> None:
     comm = dims.world
     saw = wrote = None
     if nodes.local_rank == 0:
-        saw = _appears(tmp, SEE_S)
+        saw = not _missing([tmp], SEE_S)
         if saw and nodes.index != 0:
             try:
                 with open(_marker(tmp, nodes.index), "w") as f:
@@ -76,8 +76,9 @@ def check_once(dims, directory: str, tmp: str) -> None:
     blind = sorted({i for i, s, _ in everyone if s is False})
     unseen = []
     if comm.rank == 0:
-        unseen = [i for i, s, w in everyone if s and w and i != 0 and not _appears(_marker(tmp, i), SEE_S)]
-        unseen += [i for i, s, w in everyone if s and w is False]
+        writers = [i for i, s, w in everyone if s and w]
+        gone = set(_missing([_marker(tmp, i) for i in writers], SEE_S))
+        unseen = [i for i in writers if _marker(tmp, i) in gone] + [i for i, s, w in everyone if s and w is False]
     unseen = sorted(set(comm.bcast_object(unseen)))
     if not blind and not unseen:
         if comm.rank == 0:
