@@ -129,7 +129,8 @@ def plot(res: dict, png: str) -> None:
         if rs:
             b.plot([r["stage"] for r in rs], [r["bytes_ratio"] for r in rs], "o-", label=f"{c}: bytes/node")
             b.plot([r["stage"] for r in rs], [r["time_ratio"] for r in rs], "s--", label=f"{c}: comm time")
-    for y, ls in ((1, "-"), (1 + BYTES_TOL, ":"), (1 - BYTES_TOL, ":"), (1 + TIME_TOL, "-."), (1 / (1 + TIME_TOL), "-.")):
+    limits = ((1, "-"), (1 + BYTES_TOL, ":"), (1 - BYTES_TOL, ":"), (1 + TIME_TOL, "-."), (1 / (1 + TIME_TOL), "-."))
+    for y, ls in limits:
         b.axhline(y, color="grey", lw=0.8, ls=ls)
     b.set_xticks(stages)
     b.set_xlabel("ZeRO stage")
