@@ -157,11 +157,13 @@ class NetCluster:
         self.launcher.chmod(0o755)
         self.set_private_dirs(self.private_dirs)
 
-    def set_private_dirs(self, dirs) -> None:
-        """Paths that each process started from now on (not slurmd's steps) sees as a
-        node-private tmpfs: a run directory the nodes do not share."""
+    def set_private_dirs(self, dirs, nodes=None) -> None:
+        """Paths that processes started from now on in `nodes` (default: all; not slurmd's
+        steps) see as a node-private tmpfs: a run directory the nodes do not share."""
         self.private_dirs = [str(Path(d).resolve()) for d in dirs]
-        (self.workdir / "private_dirs").write_text("".join(d + "\n" for d in self.private_dirs))
+        for node in self.nodes:
+            mine = self.private_dirs if nodes is None or node in nodes else []
+            (self.workdir / f"private_dirs-{node}").write_text("".join(d + "\n" for d in mine))
 
     def shape(self, node: str, rate_mbit: float | None = None, latency_ms: float | None = None) -> None:
         """(Re)shape what leaves `node`: a token bucket at rate_mbit, plus netem delay."""
@@ -184,9 +186,10 @@ class NetCluster:
 
     # ----------------------------------------------------------- running things
     def node_exec_argv(self, node: str, argv: list[str]) -> list[str]:
-        """argv that runs `argv` inside `node` (see `_enter`)."""
+        """argv that runs `argv` inside `node` (see `_enter`), as the same process: its
+        PID is the one a Popen of this argv reports."""
         return [sys.executable, str(HERE / "netcluster.py"), "exec", str(self.workdir), node,
-                " ".join(shlex.quote(a) for a in argv)]
+                "exec " + " ".join(shlex.quote(a) for a in argv)]
 
     def mpiexec_argv(self, n: int | None = None, ppn: int = 2, nodes: list[str] | None = None) -> list[str]:
         """`mpiexec` across `nodes` (default all) with `ppn` ranks each, over TCP on eth0."""
@@ -283,13 +286,13 @@ def _enter(workdir: str, node: str, command: str) -> None:
     cluster's /etc/hosts and node-private tmpfs over the private_dirs. (nsenter, not
     `ip netns exec`: that remounts /sys, and slurmd then misses /sys/fs/cgroup.)"""
     w = Path(workdir)
-    private = [d for d in (w / "private_dirs").read_text().split("\n") if d]
+    private = [d for d in (w / f"private_dirs-{node}").read_text().split("\n") if d]
     setup = ["mount -t tmpfs tmpfs /dev/shm", f"mount --bind {shlex.quote(str(w / 'hosts'))} /etc/hosts",
              f"hostname {shlex.quote(node)}"]
     setup += [f"mkdir -p {shlex.quote(d)} && mount -t tmpfs tmpfs {shlex.quote(d)}" for d in private]
     os.execv(_which("nsenter"), ["nsenter", f"--net=/run/netns/{node}", _which("unshare"), "--uts", "--ipc",
                                  "--mount", "--propagation", "private", "sh", "-c",
-                                 " && ".join(setup) + f" && exec sh -c {shlex.quote(command)}"])
+                                 " && ".join(setup) + ' && eval "$1"', "node-exec", command])
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from slurm_conf import cluster_env, munge_dir, real_memory_mb, slurm_conf
+from slurm_conf import cluster_env, munge_dir, node_names, real_memory_mb, slurm_conf
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
@@ -122,8 +122,7 @@ class SlurmCluster:
         self.cred_expire = cred_expire
         self.startup_timeout = startup_timeout
         self.node = _short_hostname()
-        # Where slurmctld listens and which nodes exist (tests/netslurm.py changes them).
-        self.ctld_addr, self.node_addrs, self.slurmd_timeout = "127.0.0.1", None, 300
+        self.ctld_addr, self.node_addrs, self.slurmd_timeout = "127.0.0.1", None, 300  # netslurm.py: others
         # Unique tag put in every daemon's and job's environment, so teardown
         # can find stray slurmstepd/task processes of *this* cluster by PID.
         self.tag = secrets.token_hex(8)
@@ -150,12 +149,11 @@ class SlurmCluster:
             self.slurmd_port = _free_port()
 
         conf = slurm_conf(w=w, node=self.node, cpus=self.cpus, real_memory_mb=real_memory_mb(),
-                          ctld_port=self.ctld_port, slurmd_port=self.slurmd_port,
-                          munge_socket=self.munge_socket, cred_expire=self.cred_expire,
-                          first_job_id=self.first_job_id, ctld_addr=self.ctld_addr,
+                          ctld_port=self.ctld_port, slurmd_port=self.slurmd_port, munge_socket=self.munge_socket,
+                          cred_expire=self.cred_expire, first_job_id=self.first_job_id, ctld_addr=self.ctld_addr,
                           nodes=self.node_addrs, slurmd_timeout=self.slurmd_timeout)
         self.conf.write_text(conf)
-        for node, _ in self.node_addrs or [(self.node, None)]:
+        for node in node_names(self.node, self.node_addrs):
             (w / "spool" / node).mkdir(exist_ok=True)
 
         self.env = cluster_env(self.conf, self.tag)
@@ -210,18 +208,15 @@ class SlurmCluster:
             self._spawn("slurmctld", [_find("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf)])
             self._wait_until("slurmctld", lambda: "UP" in self.scontrol("ping", check=False).stdout,
                              self.startup_timeout)
-            self._start_slurmds()
-            self._wait_until("node idle", self._nodes_idle, self.startup_timeout)
+            nodes = node_names(self.node, self.node_addrs)  # one slurmd each (tests/netslurm.py: several)
+            for node in nodes:
+                self._spawn(f"slurmd-{node}", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", node])
+            self._wait_until("nodes idle", lambda: all(self._node_state(n) == "idle" for n in nodes),
+                             self.startup_timeout)
         except BaseException:
             self.stop()
             raise
         return self
-
-    def _start_slurmds(self) -> None:  # one per node (tests/netslurm.py: several)
-        self._spawn("slurmd", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-
-    def _nodes_idle(self) -> bool:
-        return self._node_state() == "idle"
 
     # -------------------------------------------------------------- helpers
     def run(self, argv: list[str], *, timeout: float = 30, check: bool = True,

@@ -63,6 +63,11 @@ def cluster_env(conf: Path, tag: str) -> dict[str, str]:
     return env
 
 
+def node_names(node: str, nodes: list[tuple[str, str]] | None) -> list[str]:
+    """The cluster's node names: `node` alone, or the names of `nodes` [(name, address)]."""
+    return [n for n, _ in nodes or [(node, None)]]
+
+
 def slurm_conf(*, w, node: str, cpus: int, real_memory_mb: int, ctld_port: int, slurmd_port: int,
                munge_socket, cred_expire: int, first_job_id: int, ctld_addr: str = "127.0.0.1",
                nodes: list[tuple[str, str]] | None = None, slurmd_timeout: int = 300) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mpirun import launch
-from slurm_jobs import PY, _diag, _read, submit_mpi_job
+from slurm_jobs import PY, _diag, submit_mpi_job
 
 # Each rank: its host name, its shared-memory group, and one 4 MiB allreduce.
 PROBE = """

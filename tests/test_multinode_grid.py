@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import socket
 
-import pytest
-
 from mpirun import WORKERS, launch, run_mpi, run_worker
 from slurm_jobs import PY
 

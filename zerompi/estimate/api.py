@@ -110,12 +110,14 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
          precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
          tp: int = 1, bucket: "int | str | None" = None, micro_batch: int | None = None,
          seq_len: int = 0, mem_per_rank: int | None = None, link=None, alpha=None, beta=None,
-         zero: ZeroConfig | None = None) -> dict:
+         zero: ZeroConfig | None = None, nodes: int = 1) -> dict:
     """Every rank's memory (model states, buffers, working memory, activations), the
     largest micro-batch per activation strategy, and the collectives of one step with
     their predicted time, for a concrete model at each N and stage. Settings not given
     come from the model's TrainConfig (zero.*: its stage), else ZeroConfig defaults in bf16
-    (every stage)."""
+    (every stage). nodes > 1: the ranks sit on that many nodes (N / nodes each) and the
+    link is each node's: runs also get the bytes a node sends per step and their time
+    ("internode", internode.py)."""
     spec, zcfg_cfg, global_batch = resolve_model(model, seq_len)
     zcfg = zero or zcfg_cfg or ZeroConfig(precision="bf16")
     precision = precision or zcfg.precision
@@ -127,11 +129,15 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1 (got {micro_batch})")
     lk = resolve_link(link, alpha, beta)
+    bad = [n for n in dps if nodes < 1 or n % nodes]
+    if bad:
+        raise ValueError(f"--nodes {nodes}: must divide every N of --dp (not {bad[0]})")
     layout_spec = spec if tp == 1 else models.from_params(spec.psi / tp)
     runner = DryRun(layout_spec, zcfg)
     runs = [size_run(spec, runner, n, stage=s, precision=precision, grad_accum_dtype=gdt, gas=gas, tp=tp,
                      bucket=_bucket_at(bucket, n, zcfg, precision, lk, s), micro_batch=micro_batch,
-                     global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk)
+                     global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk,
+                     nodes=nodes)
             for n in dps for s in stages]
     note = "" if tp == 1 else (f"\nThe layout does not split the model by tensor parallelism: with tp = {tp} "
                                f"it is a flat vector of Ψ/tp = {spec.psi // tp:,} elements per tp rank.")

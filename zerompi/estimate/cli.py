@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   python -m zerompi.estimate --params 7.5e9 --dp 1,4,16,64,256,1024
   python -m zerompi.estimate --config configs/gpt2-124m-gpu.toml --dp 8,64,512 --mem-per-rank 80GiB
   python -m zerompi.estimate --model gpt-7.5b --dp 1024 --stage 3 --link ndr-ib
+  python -m zerompi.estimate --model small --dp 4 --nodes 2 --precision fp32 --alpha 5e-5 --beta 8e-8
   python -m zerompi.estimate --model gpt-7.5b --dry-run --dp 4096
   python -m zerompi.estimate --model gpt-7.5b --dp 1024 --stage 3 --ranks-per-node 8 --link ndr-ib
 model presets: """
@@ -68,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
                    "find the largest micro-batch that fits")
     p.add_argument("--link", choices=sorted(cost_model.PRESETS), default=None,
                    help=f"link preset for the communication time (default {cost_model.DEFAULT_AUTO_LINK})")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the N ranks sit on (N / nodes each): the link "
+                   "is then each node's, and the bytes a node sends per step are predicted with their time")
     p.add_argument("--alpha", type=float, default=None, help="latency per message step, seconds")
     p.add_argument("--beta", type=float, default=None, help="seconds per byte (1 / bandwidth)")
     p.add_argument("--check-ranks", default=None, help="dry run: ranks whose real elements are "
@@ -121,13 +124,16 @@ def run(argv: list[str]) -> tuple[dict | list, str]:
                           link=a.link, alpha=a.alpha, beta=a.beta, seq_len=a.seq)
         return res, report.render_dry_run(res)
     dps = api.parse_list(a.dp or ",".join(map(str, memory.TABLE1_DP)), "--dp")
-    if a.params is not None and mem is None and a.link is None and a.alpha is None and a.beta is None:
+    if a.nodes != 1 and (a.dry_run or a.table1):
+        raise ValueError("--nodes goes with a sizing (--model, --config or --params), not --dry-run or --table1")
+    if a.params is not None and mem is None and a.link is None and a.alpha is None and a.beta is None \
+            and a.nodes == 1:
         res = api.formulas(a.params, dps, stages or api.STAGES, a.precision or "bf16",
                            a.grad_accum_dtype or "param", a.tp)
         return res, report.render_formulas(res)
     res = api.size(model, dps, stages, precision=a.precision, grad_accum_dtype=a.grad_accum_dtype, gas=a.gas,
                    tp=a.tp, bucket=bucket, micro_batch=a.micro_batch, seq_len=a.seq, mem_per_rank=mem,
-                   link=a.link, alpha=a.alpha, beta=a.beta)
+                   link=a.link, alpha=a.alpha, beta=a.beta, nodes=a.nodes)
     return res, report.render_sizing(res)
 
 

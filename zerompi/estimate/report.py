@@ -176,7 +176,19 @@ def render_comm(runs: list[dict]) -> str:
         body.append(row)
     lines.append(table(header, body))
     lines.append("min/max chunk: elements per rank in one bucket collective (block / N).")
+    if runs[0].get("internode"):
+        lines.append(render_internode(runs))
     return "\n".join(lines)
+
+
+def render_internode(runs: list[dict]) -> str:
+    it = runs[0]["internode"]
+    body = [[d["N"], d["stage"], f"{d['internode']['nodes']} x {d['internode']['ranks_per_node']}",
+             f"{d['internode']['node_bytes'] / 2**20:,.2f}", secs(d["internode"]["seconds"])] for d in runs]
+    return "\n".join([
+        f"Between nodes (internode.py): ranks in blocks of {it['ranks_per_node']} per node; the link above is "
+        "each node's, shared by its ranks; traffic inside a node (shared memory) is not counted.",
+        table(["N", "stage", "nodes x ranks", "MiB each node sends", "link time"], body)])
 
 
 OP_SHORT = {"reduce_scatter": "RS", "all_gather": "AG", "all_reduce": "AR"}

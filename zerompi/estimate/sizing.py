@@ -13,6 +13,7 @@ import math
 
 from ..precision import DTYPES
 from ..comm import cost_model
+from . import internode
 from .activations import STRATEGIES, activation_bytes, comm_buffer_bytes, largest_micro_batch, working_bytes
 from .dryrun import DryRun, collective_summary, collectives, reduce_bytes
 from .memory import model_states
@@ -42,7 +43,7 @@ def micro_batch_for(global_batch: int | None, n: int, gas: int) -> int | None:
 def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: str = "bf16",
              grad_accum_dtype: str = "param", gas: int = 1, tp: int = 1, bucket: int | None = None,
              micro_batch: int | None = None, global_batch: int | None = None,
-             mem_per_rank: int | None = None, link=None) -> dict:
+             mem_per_rank: int | None = None, link=None, nodes: int = 1) -> dict:
     """One (model, N, stage) sized. `runner` lays out the parameters the engine partitions
     (spec's GPT, or with tp > 1 a flat vector of Psi / tp: the engine has no tensor
     parallelism yet, so no real tp layout exists); `spec` gives the activations."""
@@ -91,4 +92,6 @@ def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: 
     out["summary"] = collective_summary(rows)
     if link is not None:
         out["comm_time"] = comm_time(rows, n, link)
+        if nodes > 1:  # the link is each node's: bytes leaving a node and their time (internode.py)
+            out["internode"] = internode.step(rows, n, nodes, link)
     return out

@@ -73,9 +73,13 @@ class NodeLayout:
         return (f"{n} rank{'s' if n != 1 else ''} on {self.count} node{'s' if self.count != 1 else ''} "
                 f"({self.per_node} per node{', ' + ENV_RANKS_PER_NODE if self.forced else ''})")
 
+    def listing_of(self, i: int) -> str:
+        """'zn1-2 (ranks 2-3)': node i and its ranks."""
+        return f"{self.names[i]} ({_span(self.ranks[i])})"
+
     def listing(self, limit: int = 8) -> str:
         """'zn1-1 (ranks 0-1), zn1-2 (ranks 2-3)', the first `limit` nodes."""
-        shown = [f"{h} ({_span(rs)})" for h, rs in zip(self.names[:limit], self.ranks)]
+        shown = [self.listing_of(i) for i in range(min(limit, self.count))]
         more = f" and {self.count - limit} more" if self.count > limit else ""
         return ", ".join(shown) + more
 
