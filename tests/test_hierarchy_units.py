@@ -1,9 +1,8 @@
 """The hierarchy's single-process parts: config keys and their errors, the DeepSpeed
-keys, the group decisions (zero/groups.py decide), the replicated layout, the chain
-ordering (comm/chain.py) and the estimator's bytes inside and across nodes."""
+keys, the group decisions (zero/groups.py decide), the replicated layout and the chain
+ordering (comm/chain.py). The estimator's bytes inside and across nodes for every mode:
+tests/test_multinode_estimate.py."""
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -127,46 +126,3 @@ def test_chains_start_steps_in_creation_order_on_each_communicator():
     x.wait()
     y.wait()
     assert x.done and y.done and not ACTIVE_CHAINS
-
-
-def test_wire_model_matches_the_simulated_cluster():
-    """The byte counts measured on 2 simulated nodes x 2 ranks (MPICH over TCP, veth
-    counters, benchmarks/bench_hierarchy.py): an 8 MiB alltoall sends 2.0 x 8 MiB across
-    nodes, a ring all-gather 1.5 x, a 64 KiB all-gather (recursive doubling) 2.0 x."""
-    from zerompi.estimate.hierarchy import wire
-
-    B = 8 << 20
-    assert wire("alltoall", B, 4, 2, 2, 1)[0] == 2 * B
-    assert wire("allgather", B, 4, 2, 2, 1)[0] == 1.5 * B
-    assert wire("allgather", 1 << 16, 4, 2, 2, 1)[0] == 2 * (1 << 16)
-    assert wire("alltoall", B, 2, 1, 2, 2) == (0, 2 * B / 2 * 2)  # inside a node: nothing across
-    cross, intra = wire("allgather", B, 2, 2, 1, 2)                 # across: one rank per node
-    assert (cross, intra) == (2 * B, 0)
-
-
-def test_estimator_prices_every_mode_at_4096_ranks(capsys):
-    """The dry run's layouts at N = 4096 with 8 ranks per node: per-rank states are the
-    paper's formula at K; two-level and hybrid-by-node cut the bytes across nodes
-    (7.5B GPT, stage 3, bf16); the CLI's --json parses, bad input is one line, status 2."""
-    from zerompi.estimate import api
-    from zerompi.estimate.memory import model_states
-
-    res = api.hierarchy("gpt-7.5b", [4096], 8, [3])
-    by = {r["settings"]["hierarchical"] + "/" + str(r["settings"]["shard_group"]) + "/"
-          + r["settings"]["secondary"]: r for r in res["runs"]}
-    flat, two, node = by["off/world/off"], by["on/world/off"], by["auto/node/off"]
-    sec = by["off/world/node"]
-    assert (node["shard_group"], node["replicas"], two["mode"]) == (8, 512, "two-level")
-    assert node["model_states"] == model_states(node["padded"], 8, 3, "bf16")["model_states"]
-    assert flat["model_states"] == model_states(flat["padded"], 4096, 3, "bf16")["model_states"]
-    assert two["cross_bytes_per_rank"] < flat["cross_bytes_per_rank"] / 4
-    assert node["cross_bytes_per_rank"] < flat["cross_bytes_per_rank"] / 4
-    assert sec["secondary_bytes"] == sec["padded"] // 8 * 2 and sec["cross_bytes_per_rank"] < flat["cross_bytes_per_rank"]
-    assert two["time"]["seconds"] < flat["time"]["seconds"] / 3
-    from zerompi.estimate.cli import main
-
-    assert main(["--model", "gpt-7.5b", "--dp", "1024", "--stage", "3", "--ranks-per-node", "8", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["runs"]) == 5
-    assert main(["--model", "gpt-7.5b", "--dp", "1020", "--ranks-per-node", "8"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "ranks-per-node" in err, err
