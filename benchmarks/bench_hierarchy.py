@@ -8,11 +8,14 @@ and shared memory inside, each node's egress shaped by tc tbf to --rate-mbit). E
 is one mpiexec of hierarchy_worker.py (a 4.84M-parameter GPT, fp32, one 64-token sequence
 per rank): warm-up steps, then the driver reads both nodes' veth counters around the
 measured steps (a file handshake, see the worker). Bytes per step = the bytes both nodes
-sent into the link / steps; the prediction is zerompi.estimate.hierarchy.price() for the
-same model, config and 2 x 2 grid (cross_bytes_total). Stage-3 runs are repeated, in
+sent into the link / steps; the prediction is the estimator's for the same model, config
+and 2 x 2 grid (api.size(..., ranks_per_node=2): the run's own mode across nodes,
+cross_bytes_total, checked to be the mode the engine ran). Stage-3 runs are repeated, in
 rotation, for the step times; flat stage 3 also runs on the unshaped link, to show it is
 communication-bound at the shaped one. Needs root (network namespaces). Every namespace
 and process the cluster creates is removed on exit, also on error or Ctrl-C.
+`--repredict results/hierarchy.json` recomputes a results file's predictions from its
+stored runs (stage, mode, precision), measurements untouched.
 """
 from __future__ import annotations
 
@@ -35,41 +38,50 @@ sys.path.insert(0, str(ROOT / "tests"))
 from netcluster import NetCluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MODES = {  # name -> (zero.* settings, estimator settings)
-    "flat": ({"comm": {"hierarchical": "off"}}, "flat"),
-    "two-level": ({"comm": {"hierarchical": "on"}}, "two-level"),
-    "hybrid node": ({"shard_group": "node"}, "hybrid node"),
-    "secondary": ({"comm": {"hierarchical": "off"}, "stage3": {"secondary_partition": "node"}}, "secondary"),
-    "secondary + two-level": ({"comm": {"hierarchical": "on"}, "stage3": {"secondary_partition": "node"}},
-                              "secondary + two-level"),
+MODES = {  # name -> zero.* settings
+    "flat": {"comm": {"hierarchical": "off"}},
+    "two-level": {"comm": {"hierarchical": "on"}},
+    "hybrid node": {"shard_group": "node"},
+    "secondary": {"comm": {"hierarchical": "off"}, "stage3": {"secondary_partition": "node"}},
+    "secondary + two-level": {"comm": {"hierarchical": "on"}, "stage3": {"secondary_partition": "node"}},
 }
 MACHINE = "vm (2-core AMD EPYC VM, 24 GiB, Debian 12)"
 
 
 def _predicted(stage: int, mode: str, precision: str) -> dict:
+    """The estimator's prediction for the run's own mode on 2 nodes x 2 ranks."""
     sys.path.insert(0, str(ROOT))
-    from zerompi.comm.cost_model import PRESETS
-    from zerompi.config import ZeroConfig
-    from zerompi.estimate import hierarchy as hier
-    from zerompi.estimate.dryrun import DryRun
+    from zerompi.config import load
+    from zerompi.estimate import api
     from zerompi.estimate.models import from_shape
     from zerompi.models.gpt import GPTConfig
 
     cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=6, n_head=8, n_embd=256)  # hierarchy_worker.CFG
-    runner = DryRun(from_shape("bench-hierarchy", cfg), ZeroConfig(precision=precision))
-    d = hier.price(runner, 4, 2, stage, hier.MODES[MODES[mode][1]], precision, 1, "param", None,
-                   PRESETS["ndr-ib"], PRESETS["nvlink"])
-    return {"params": sum(runner.build(4, stage, None, precision, k=d["shard_group"]).numels),
-            "cross_bytes_total": d["cross_bytes_total"], "node_link_bytes": d["node_link_bytes"],
-            "intra_bytes_total": d["intra_bytes_per_rank"] * 4, "per_rank_bytes": d["per_rank_bytes"],
-            "rows": d["rows"]}
+    zc = load({"precision": precision, **MODES[mode]})
+    run = api.size(from_shape("bench-hierarchy", cfg), [4], [stage], zero=zc, ranks_per_node=2, link="ndr-ib",
+                   modes={})["runs"][0]
+    d = run["nodes"]
+    return {"params": run["params"], "mode": d["mode"], "cross_bytes_total": d["cross_bytes_total"],
+            "node_link_bytes": d["node_link_bytes"], "intra_bytes_total": d["intra_bytes_per_rank"] * 4,
+            "per_rank_bytes": d["per_rank_bytes"], "rows": d["rows"]}
+
+
+def _with_prediction(r: dict) -> dict:
+    pred = _predicted(r["stage"], r["name"], r["precision"])
+    if pred["params"] != r["params"]:
+        raise RuntimeError(f"the estimator's model has {pred['params']} parameters, the worker's {r['params']}")
+    if pred["mode"] != r["mode"]:
+        raise RuntimeError(f"{r['name']}: the engine ran {r['mode']}, the estimator predicts {pred['mode']}")
+    r.update(predicted_cross_bytes=pred["cross_bytes_total"], predicted_rows=pred["rows"],
+             ratio=r["cross_bytes_per_step"] / pred["cross_bytes_total"])
+    return r
 
 
 def run_one(net: NetCluster, work: Path, tag: str, stage: int, mode: str, precision: str,
             warmup: int, steps: int, timeout: float) -> dict:
     argv = net.mpiexec_argv(ppn=2) + [sys.executable, str(HERE / "hierarchy_worker.py"), "--dir", str(work),
                                       "--tag", tag, "--stage", str(stage), "--precision", precision,
-                                      "--mode", json.dumps(MODES[mode][0]), "--warmup", str(warmup),
+                                      "--mode", json.dumps(MODES[mode]), "--warmup", str(warmup),
                                       "--steps", str(steps)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for k in [k for k in env if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))]:
@@ -121,7 +133,11 @@ def main() -> int:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=str(HERE / "results" / "hierarchy"))
+    ap.add_argument("--repredict", help="a results JSON whose predictions to recompute (in place)")
+    ap.add_argument("--note", default="", help="with --repredict: why (appended to the JSON's notes)")
     a = ap.parse_args()
+    if a.repredict:
+        return _repredict(Path(a.repredict), a.note)
     plan = [(3, m, a.rate_mbit) for _ in range(a.repeats) for m in MODES]
     plan += [(2, m, a.rate_mbit) for m in ("flat", "two-level", "hybrid node")]
     plan += [(3, "flat", None)]
@@ -134,15 +150,10 @@ def main() -> int:
                 net.shape(node, rate_mbit=rate or 0)
             tag = f"r{i}"
             r = run_one(net, work, tag, stage, mode, a.precision, a.warmup, a.steps, a.timeout)
-            pred = _predicted(stage, mode, a.precision)
-            if pred["params"] != r["params"]:
-                raise RuntimeError(f"the estimator's model has {pred['params']} parameters, the worker's {r['params']}")
-            r.update(stage=stage, name=mode, rate_mbit=rate, precision=a.precision,
-                     predicted_cross_bytes=pred["cross_bytes_total"], predicted_rows=pred["rows"],
-                     ratio=r["cross_bytes_per_step"] / pred["cross_bytes_total"])
-            runs.append(r)
+            r.update(stage=stage, name=mode, rate_mbit=rate, precision=a.precision)
+            runs.append(_with_prediction(r))
             print(f"stage {stage} {mode:22s} rate {rate}: {r['cross_bytes_per_step'] / 1e6:8.2f} MB/step across "
-                  f"(predicted {pred['cross_bytes_total'] / 1e6:8.2f}, ratio {r['ratio']:.3f}), step "
+                  f"(predicted {r['predicted_cross_bytes'] / 1e6:8.2f}, ratio {r['ratio']:.3f}), step "
                   f"{statistics.median(r['step_seconds']):.3f} s", flush=True)
     summary = _summary(runs, a.rate_mbit)
     out = {"benchmark": "bench_hierarchy", "machine": MACHINE, "machine_info": machine_info(),
@@ -156,6 +167,21 @@ def main() -> int:
 
     plot(out, a.out + ".png")
     print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _repredict(path: Path, note: str) -> int:
+    from plot_hierarchy import plot
+
+    res = json.loads(path.read_text())
+    for r in res["runs"]:
+        _with_prediction(r)
+    res["summary"] = _summary(res["runs"], res["args"]["rate_mbit"])
+    res.setdefault("notes", []).append(f"{time.strftime('%Y-%m-%d')}: predictions recomputed by --repredict. "
+                                       f"{note}".strip())
+    path.write_text(json.dumps(res, indent=1, default=float))
+    plot(res, str(path.with_suffix(".png")))
+    print(json.dumps(res["summary"], indent=1))
     return 0
 
 

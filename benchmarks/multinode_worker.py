@@ -1,10 +1,12 @@
 """bench_multinode.py's per-rank worker, run by mpiexec across simulated nodes: for each
 ZeRO stage, real training steps (step time, bytes that left each node per step from the
 node's own eth0 counters) and a replay of one step's collectives without compute (the
-communication time, and its bytes), exactly the collectives `zerompi.estimate` predicts
-for the step; the replay's per-op calls and elements are checked against the engine's.
+communication time, and its bytes), exactly the collectives `zerompi.estimate` lists
+for the step, on the engine's own communicators (so two-level ones run in two levels);
+the replay's per-op calls and elements are checked against the engine's. Each stage
+records the mode the engine chose (zero/groups.py: flat or two-level here).
 
-    mpiexec ... python benchmarks/multinode_worker.py --out RESULT.json --stages 0,1,2,3
+    mpiexec ... python benchmarks/multinode_worker.py --out RESULT.json --stages 0,1,2,3 --hierarchical auto
 """
 from __future__ import annotations
 
@@ -46,20 +48,24 @@ def replay_plan(rows, n: int):
             "full": torch.rand(big)}
 
 
-def replay(comm, rows, bufs, rank: int, n: int) -> None:
-    """One step's collectives as the estimator lists them, blocking, in sequence."""
+def replay(groups, rows, bufs, n: int) -> None:
+    """One step's collectives as the estimator lists them, blocking, in sequence, each on
+    the communicator the engine uses for it (zero/groups.py ShardGroups): the reducer's
+    for reduce-scatters, the shard group's for all-gathers (into the shard index's
+    place), the data-parallel group for stage 0's all-reduce and the scalars."""
+    pos = groups.shard_rank
     for r in rows:
         e = r["elements"]
         for _ in range(r["count"]):
             if r["scalars"]:
-                comm.allreduce_scalars([1.0] * e)
+                groups.dp.allreduce_scalars([1.0] * e)
             elif r["op"] == "reduce_scatter":
-                comm.reduce_scatter(bufs["send"][:e], bufs["recv"][:e // n], scratch=bufs["scratch"])
+                groups.reduce.reduce_scatter(bufs["send"][:e], bufs["recv"][:e // n], scratch=bufs["scratch"])
             elif r["op"] == "all_gather":
                 full = bufs["full"][:e]
-                comm.all_gather(full[rank * (e // n):(rank + 1) * (e // n)], full)
+                groups.shard.all_gather(full[pos * (e // n):(pos + 1) * (e // n)], full)
             else:
-                comm.all_reduce(bufs["send"][:e], scratch=bufs["scratch"])
+                groups.dp.all_reduce(bufs["send"][:e], scratch=bufs["scratch"])
 
 
 def run_stage(args, stage: int, world, node) -> dict:
@@ -75,7 +81,10 @@ def run_stage(args, stage: int, world, node) -> dict:
     gcfg = PRESETS[args.model]
     torch.manual_seed(0)
     engine = zerompi.initialize(GPT(gcfg), {"stage": stage, "precision": "fp32",
-                                            "optimizer": {"lr": 1e-4, "weight_decay": 0.1}})
+                                            "optimizer": {"lr": 1e-4, "weight_decay": 0.1},
+                                            "comm": {"hierarchical": args.hierarchical}})
+    if engine.groups.mode not in ("flat", "two-level"):
+        raise SystemExit(f"the replay covers flat and two-level runs, not {engine.groups.mode}")
 
     def batch(i):
         g = torch.Generator().manual_seed(1000 * rank + i)
@@ -102,7 +111,7 @@ def run_stage(args, stage: int, world, node) -> dict:
     tx1 = node_tx(world, node)
     step_stats = engine.comm_stats()
 
-    zc = ZeroConfig(stage=stage, precision="fp32")
+    zc = ZeroConfig(stage=stage, precision="fp32")  # the logical collectives: the same in both modes
     rows = api.size(args.model, [n], [stage], zero=zc, seq_len=args.seq_len)["runs"][0]["collectives"]
     comm = engine.comm
     bufs = replay_plan(rows, n)
@@ -111,7 +120,7 @@ def run_stage(args, stage: int, world, node) -> dict:
         t_a = node_tx(world, node)
         comm.reset_stats()
         t0 = time.perf_counter()
-        replay(comm, rows, bufs, rank, n)
+        replay(engine.groups, rows, bufs, n)
         wall = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         t_b = node_tx(world, node)
         if k:  # the first is a warm-up
@@ -120,7 +129,8 @@ def run_stage(args, stage: int, world, node) -> dict:
     same = {op: (step_stats.get(op, {}).get("calls"), step_stats.get(op, {}).get("elements"),
                  rep_stats.get(op, {}).get("calls"), rep_stats.get(op, {}).get("elements"))
             for op in sorted(set(step_stats) | set(rep_stats))}
-    res = {"stage": stage, "params": sum(p.numel() for p in engine.module.parameters()),
+    res = {"stage": stage, "mode": engine.groups.mode, "describe": engine.groups.describe(),
+           "params": sum(p.numel() for p in engine.module.parameters()),
            "step_wall_s": walls, "step_median_s": statistics.median(walls),
            "step_comm_wait_s": waits,
            "node_tx_per_step": [(b - a) / args.steps for a, b in zip(tx0, tx1)],
@@ -142,6 +152,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--replays", type=int, default=2)
+    ap.add_argument("--hierarchical", choices=("auto", "on", "off"), default="auto",
+                    help="zero.comm.hierarchical of the engine")
     args = ap.parse_args()
     import torch
     from mpi4py import MPI
@@ -154,12 +166,13 @@ def main() -> None:
     layout = discover(world)
     out = {"ranks": world.Get_size(), "nodes": layout.count, "per_node": layout.per_node,
            "hosts": list(layout.names), "model": args.model, "micro_batch": args.micro_batch,
-           "seq_len": args.seq_len, "steps": args.steps, "replays": args.replays, "stages": []}
+           "seq_len": args.seq_len, "steps": args.steps, "replays": args.replays,
+           "hierarchical": args.hierarchical, "stages": []}
     for s in map(int, args.stages.split(",")):
         out["stages"].append(run_stage(args, s, world, node))
         if world.Get_rank() == 0:
             d = out["stages"][-1]
-            print(f"  stage {s}: step {d['step_median_s']:.3f} s, node tx/step "
+            print(f"  stage {s} ({d['mode']}): step {d['step_median_s']:.3f} s, node tx/step "
                   f"{[round(x / 2**20, 2) for x in d['node_tx_per_step']]} MiB, replay "
                   f"{d['replay_median_s']:.3f} s, matches step: {d['replay_matches_step']}", flush=True)
     if world.Get_rank() == 0:
