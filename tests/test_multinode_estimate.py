@@ -203,6 +203,9 @@ def test_cli_nodes(capsys):
     assert main(common[:-3] + ["--nodes", "2", "--stage", "2", "--hierarchical", "off"]) == 0
     out = capsys.readouterr().out
     assert "Across nodes" in out and "* flat (flat)" in out and "two-level (two-level)" in out
+    assert main(common[:-3] + ["--nodes", "2", "--stage", "2"]) == 0  # the default: auto, two-level here
+    out = capsys.readouterr().out
+    assert "* two-level (two-level)" in out and "comm.hierarchical auto" in out
     assert main(["--model", "small", "--dp", "4,6", "--nodes", "4", "--beta", "1e-9", "--alpha", "0"]) == 2
     assert capsys.readouterr().err.strip() == "zerompi.estimate: error: --nodes 4: must divide every N of --dp (not 6)"
     assert main(["--model", "small", "--dp", "4", "--nics-per-node", "1"]) == 2

@@ -151,7 +151,8 @@ def _across(runs: list[dict], runner, per: dict, zcfg: ZeroConfig, precision: st
         run["nodes"], priced = hier.compare(runner, run["N"], per[run["N"]], run["stage"], own, precision, gas,
                                             gdt, b, inter, intra, nics, modes)
         out += priced
-    return {"inter": _link_dict(inter), "intra": _link_dict(intra), "nics_per_node": nics, "modes": out}
+    return {"inter": _link_dict(inter), "intra": _link_dict(intra), "nics_per_node": nics, "own": own,
+            "modes": out}
 
 
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,

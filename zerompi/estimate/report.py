@@ -205,8 +205,7 @@ def render_nodes(nodes: dict) -> str:
                      _bytes(d["cross_bytes_per_rank"]), _bytes(d["node_link_bytes"]),
                      secs(d["time"]["seconds"]),
                      f"{d['time']['inter_seconds'] / max(d['time']['seconds'], 1e-30):.0%}"])
-    own = next(d for d in results if d["own"])["settings"]
-    q = nodes["nics_per_node"]
+    own, q = nodes["own"], nodes["nics_per_node"]
     return "\n".join([
         f"Across nodes (hierarchy.py), ranks in blocks of P per node; links: between nodes {inter['name']} "
         f"({inter['alpha'] * 1e6:g} us, {_gbs(inter['beta'])} GB/s, "
