@@ -136,6 +136,7 @@ def plot(res: dict, png: str) -> None:
     for i, c in enumerate(cfgs):
         ys = [next(r["step_s"] for r in rows if r["config"] == c and r["stage"] == s) for s in stages]
         a.bar([s + (i - (len(cfgs) - 1) / 2) * w for s in stages], ys, w, label=c)
+    a.set_ylim(0, 1.6 * max(r["step_s"] for r in rows))  # room for the legend above the bars
     a.set_xticks(stages)
     a.set_xlabel("ZeRO stage")
     a.set_ylabel("step time (s), median")
@@ -253,10 +254,14 @@ def main(argv=None) -> None:
         if rate:
             res["predictions"][name] = predict(args.model, args.stages, rate, mode, args.alpha)
         if args.add_to:
-            res.setdefault("notes", []).append(f"{_dt.date.today()}: '{name}' added by --add-to "
-                                               f"(load average then {os.getloadavg()[0]:.1f}).")
+            c = res["configs"][-1]
+            res.setdefault("notes", []).append(
+                f"{_dt.date.today()}: '{name}' added by --add-to; other processes used "
+                f"{100 * c['foreign_cpu_fraction']:.0f}% of the machine meanwhile (load average "
+                f"{c['loadavg_end'][0]:.1f} at its end).")
     res["analysis"] = analyse(res)
-    res["loadavg_end"] = os.getloadavg()
+    if not args.add_to:
+        res["loadavg_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(res, indent=1))
     plot(res, args.png)
     report(res)
