@@ -148,7 +148,8 @@ def test_every_mapped_key_is_read_and_nothing_is_dropped():
                                                        "torch_adam": True}},
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 10**6, "overlap_comm": True,
                                     "stage3_prefetch_bucket_size": 10**6, "stage3_param_persistence_threshold": 10,
-                                    "stage3_max_live_parameters": 10**8},
+                                    "stage3_max_live_parameters": 10**8,
+                                    "zero_hpz_partition_size": 2, "mics_shard_size": 2},
               "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
                                            "contiguous_memory_optimization": True}}
     fp16 = dict(common, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 10, "hysteresis": 1,

@@ -88,7 +88,10 @@ def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
     steps = _steps(out)
     assert [s["step"] for s in steps] == STEPS, steps
     assert steps[0]["status"] == "ok" and "torch" in json.loads((out / "env.json").read_text()), steps
-    assert {s["step"] for s in steps if "budget" in s["detail"]} >= {"build-tests", "e2e-1b"}, steps
+    # how many steps fit 60 s depends on the machine; the 1B run never does, and every step
+    # that did not run says why
+    assert "budget" in {s["step"]: s for s in steps}["e2e-1b"]["detail"], steps
+    assert all(s["status"] == "ok" or "budget" in s["detail"] or "--skip" in s["detail"] for s in steps), steps
 
 
 def test_launch_cap_lowers_every_timeout(monkeypatch):
@@ -114,6 +117,16 @@ def test_an_interrupted_launch_leaves_no_process(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         launch(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=120)
     pid = int(pid_file.read_text())
-    time.sleep(0.2)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    # killed is enough: where PID 1 does not reap orphans (containers), it stays a zombie
+    deadline = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid), pid
+
+
+def _running(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
