@@ -83,13 +83,13 @@ def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
     (plus the 15 s kill grace it keeps)."""
     out = tmp_path / "acc"
     t0 = time.monotonic()
-    launch(["bash", str(SCRIPT), str(out), "--dry-run", "--budget", "60", "--skip", "mpi"], timeout=200)
-    assert time.monotonic() - t0 < 60 + 15
+    launch(["bash", str(SCRIPT), str(out), "--dry-run", "--budget", "30", "--skip", "mpi"], timeout=200)
+    assert time.monotonic() - t0 < 30 + 15
     steps = _steps(out)
     assert [s["step"] for s in steps] == STEPS, steps
     assert steps[0]["status"] == "ok" and "torch" in json.loads((out / "env.json").read_text()), steps
-    # how many steps fit 60 s depends on the machine; the 1B run never does, and every step
-    # that did not run says why
+    # 30 s: the probe (minimum 10 s of the 15 s left after the kill grace) runs, no later step
+    # (minimum 20 s) starts; every step that did not run says why
     assert "budget" in {s["step"]: s for s in steps}["e2e-1b"]["detail"], steps
     assert all(s["status"] == "ok" or (s["status"] == "skip" and s["detail"]) for s in steps), \
         [s for s in steps if s["status"] != "ok"]
