@@ -35,13 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-RANK_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+from launch import launch
 
 
 def machine_info(directory: str) -> dict:
@@ -255,20 +249,18 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     out = Path(a.workdir) / f"{system}-n{n}.json"
     ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
     shutil.rmtree(ckdir, ignore_errors=True)
-    cmd = [python, "-m", "mpi4py", str(Path(__file__).resolve()), "--system", system, "--model", a.model,
-           "--vocab", str(a.vocab),
-           "--dir", str(ckdir), "--out", str(out), "--repeats", str(a.repeats), "--port", str(29500 + n)]
-    if system != "torch":
-        cmd = ["mpiexec", "-n", str(n)] + cmd
-    env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
-    t0, load0 = time.time(), os.getloadavg()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    argv = [Path(__file__).resolve(), "--system", system, "--model", a.model, "--vocab", a.vocab,
+            "--dir", ckdir, "--out", out, "--repeats", a.repeats, "--port", 29500 + n]
+    load0 = os.getloadavg()
+    # torch's job is one process without mpiexec
+    job = launch(None if system == "torch" else n, argv, timeout=a.timeout, python=python,
+                 env={"DS_ACCELERATOR": "cpu"})
     load = {"load_avg_before": [round(x, 2) for x in load0], "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     shutil.rmtree(ckdir, ignore_errors=True)
-    if p.returncode != 0:
-        return {"system": system, "n": n, "error": (p.stdout + p.stderr)[-2000:], **load}
+    if not job.ok:
+        return {"system": system, "n": n, "error": job.tail(2000), **load}
     res = json.loads(out.read_text())
-    return dict(summarize(res, n), system=system, job_seconds=round(time.time() - t0, 1), **load,
+    return dict(summarize(res, n), system=system, job_seconds=round(job.elapsed_s, 1), **load,
                 **({"version": res["version"]} if "version" in res else {}))
 
 

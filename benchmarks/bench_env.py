@@ -1,5 +1,11 @@
-"""Shared by the data-parallel benchmark: paths, per-model shapes, rank environments,
-machine/software description, memory probes, small MPI/socket helpers.
+"""Shared by the benchmarks: paths, per-model shapes, the ranks' environment, machine and
+software description, memory probes, small MPI/socket helpers.
+
+Importing it puts this checkout's root on sys.path, so `import zerompi` in a benchmark finds
+the package next to it, not an installed copy (an editable install may point at another
+checkout).
+Every benchmark imports its siblings by plain name (`from bench_env import ...`), which
+works because a script's own folder is sys.path[0], also under `python -m mpi4py`.
 """
 from __future__ import annotations
 

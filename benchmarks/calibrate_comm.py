@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Calibrate the alpha-beta communication model (zerompi/estimate/comm_model.py) on this
+"""Calibrate the alpha-beta communication model (zerompi/comm/cost_model.py) on this
 machine, then check it on real stage-2 steps it was not fitted on (issue 17).
 
     python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration.json \
         --png benchmarks/results/comm_calibration.png
 
 The driver (this process, no MPI) runs, for each repeat (default 3) and each N (default 2
-and 4), two separate `mpiexec -n N` jobs of this file's workers, fit then check, so the
+and 4), two separate N-rank jobs (launch.py) of this file's workers, fit then check, so the
 repeats interleave both in time:
 
   fit    zerompi's own MPICommunicator on fp32 buffers of 2^10 .. 2^24 elements:
@@ -15,7 +15,7 @@ repeats interleave both in time:
          in cache as in a step: the reduce-scatter's bucket is freshly filled (two slots
          alternate), every all-gather fills another block of a pool 4x the L3. Batches of
          back-to-back calls; a sample is the comm_stats() seconds per call, mean over
-         ranks, median over 7 batches, then median over repeats. comm_model.fit gives one
+         ranks, median over 7 batches, then median over repeats. cost_model.fit gives one
          link per op and N, and a joint one (ordered reduce-scatter + all-gather); the sum
          of the ordered reduce-scatter is proportional to the bytes, so it is in its beta.
   check  the 17M GPT (gpt-20m) at stage 2, fp32, for bucket sizes 2^16 .. 2^22:
@@ -28,7 +28,7 @@ repeats interleave both in time:
                  seconds per replay. Both: mean over ranks, median over steps/replays,
                  then median over repeats.
 
-The driver predicts each check with comm_model.step_comm_time from the fit jobs only
+The driver predicts each check with cost_model.step_comm_time from the fit jobs only
 (each op with its own link at that N) and reports measured/predicted, pooled and per
 repeat. The issue's target is a prediction within 30% either way
 (max(pred/meas, meas/pred) <= 1.3) at N = 2 and 4. The replay is the communication-only
@@ -45,16 +45,13 @@ import argparse
 import datetime as _dt
 import json
 import os
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from bench_env import RANK_ENV, ROOT
-
+from bench_env import RANK_ENV
 from calibrate_workers import worker
+from launch import launch
 from zerompi.comm import cost_model as cm
 
 TOL = 0.30
@@ -88,24 +85,14 @@ def wait_quiet(max_busy: float, max_wait: float) -> dict:
         print(f"  machine busy ({100 * busy:.0f}% of {cores} cores), waiting ...", flush=True)
 
 
-def launch(n: int, phase: str, args, work: Path, rep: int = 0) -> dict:
+def run_job(n: int, phase: str, args, work: Path, rep: int = 0) -> dict:
     quiet = wait_quiet(args.max_busy, args.max_wait) if args.max_busy < 1 else {}
     out = work / f"{phase}-n{n}-r{rep}.json"
-    cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
-           "--worker", phase, "--out", str(out)] + args.passthrough
-    env = dict(os.environ, **RANK_ENV,
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    argv = [Path(__file__).resolve(), "--worker", phase, "--out", out] + args.passthrough
     t0, b0, c0 = time.time(), _cpu_busy(), _children_cpu()
-    p = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        rc = p.wait(timeout=args.timeout)
-    except BaseException:
-        os.killpg(p.pid, 9)  # the job's whole process group, nothing else
-        p.wait()
-        raise
-    if rc != 0:
-        raise SystemExit(f"{phase} at N={n} failed with exit code {rc}")
+    job = launch(n, argv, timeout=args.timeout, echo=True)
+    if not job.ok:
+        raise SystemExit(f"{phase} at N={n} failed ({job.status}): {job.command_line}")
     wall, busy, own = time.time() - t0, _cpu_busy() - b0, _children_cpu() - c0
     res = json.loads(out.read_text())
     res["wall_s"] = wall
@@ -114,7 +101,7 @@ def launch(n: int, phase: str, args, work: Path, rep: int = 0) -> dict:
     res["quiet_wait"] = quiet
     print(f"  {phase} N={n}: {wall:.0f} s, other processes used "
           f"{100 * res['foreign_cpu_fraction']:.0f}% of the machine meanwhile", flush=True)
-    res["command"] = " ".join(shlex.quote(c) for c in cmd)
+    res["command"] = job.command_line
     return res
 
 
@@ -123,7 +110,7 @@ def fit_rows(samples: list[dict], ops: tuple[str, ...]) -> list[tuple]:
 
 
 def step_rows(chk: dict) -> dict[str, list[tuple]]:
-    """One stage-2 fp32 step of the checked engine as comm_model rows, by op."""
+    """One stage-2 fp32 step of the checked engine as cost_model rows, by op."""
     sizes = sorted((int(k), v) for k, v in chk["block_sizes"].items())
     return {"reduce_scatter": [("reduce_scatter", 4 * b, c) for b, c in sizes],
             "all_gather": [("all_gather", 4 * b, c) for b, c in sizes],
@@ -266,8 +253,8 @@ def driver(args) -> None:
     # (other work, memory placement) reaches both; every job is its own mpiexec.
     for rep in range(args.repeats):
         for n in args.nranks:  # separate jobs: the check never sees the fit's samples
-            fits[n].append(launch(n, "fit", args, work, rep))
-            checks[n].append(launch(n, "check", args, work, rep))
+            fits[n].append(run_job(n, "fit", args, work, rep))
+            checks[n].append(run_job(n, "check", args, work, rep))
     first = fits[args.nranks[0]][0]
     merged_f = {n: merge_fits(v) for n, v in fits.items()}
     merged_c = {n: merge_checks(v) for n, v in checks.items()}

@@ -4,13 +4,12 @@
     python benchmarks/compare_commits.py --before /tmp/zerompi-before --after . \\
         --out benchmarks/results/compare_commits.json --png benchmarks/results/compare_commits.png
 
-Every run is one `mpiexec -n N` of the data-parallel benchmark's own per-rank worker
+Every run is one job (launch.py) of the data-parallel benchmark's own per-rank worker
 (`bench_dp.py`, system `zerompi-<stage>`, fp32), so a step is exactly the one
 benchmarks/results/dp_cpu*.json measure: a sleep-polling barrier, then forward + backward +
 optimizer step, timed as the maximum over ranks. The two sides differ only in which
-`zerompi` package the ranks import: the worker runs under this script's `--worker-root`
-mode, which puts the side's root first on sys.path, imports `zerompi` from there before
-anything else, and aborts the run if any rank got another copy (it prints
+`zerompi` package the ranks import: the ranks run compare_sides.py, which puts the side's
+root first on sys.path, imports `zerompi` from there before anything else, and aborts the run if any rank got another copy (it prints
 `zerompi.__file__` once, and records every loaded zerompi module's file).
 
 The worker code is, by default, the one next to this script (`--worker shared`), for both
@@ -31,15 +30,15 @@ import datetime as _dt
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench_env import DEFAULT_SHAPES, RANK_ENV, machine_info, mem_info, software_info
 from compare_report import GiB, overall, plot, print_table, summarize
-from compare_sides import EXTRA_BATCH, EXTRA_SHAPES, _tree_sha256, side_info, worker_main
+from compare_sides import EXTRA_BATCH, EXTRA_SHAPES, _tree_sha256, side_info
+from launch import launch
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_BEFORE = "/tmp/zerompi-before"
@@ -47,9 +46,6 @@ DEFAULT_AFTER = str(HERE.parent)
 
 
 def shape_of(model: str) -> tuple[int, int]:
-    sys.path.insert(0, str(HERE))
-    from bench_env import DEFAULT_SHAPES
-
     if model in EXTRA_BATCH:
         return EXTRA_BATCH[model]
     if model in DEFAULT_SHAPES:
@@ -60,7 +56,6 @@ def shape_of(model: str) -> tuple[int, int]:
 def predicted_bytes(model: str, n: int, stage: int, bsz: int, seq: int) -> int | None:
     """All ranks' predicted peak (dp_driver's estimate), or None if it cannot be computed."""
     try:
-        sys.path.insert(0, str(HERE))
         from dp_driver import predict_rank_bytes
         from dp_systems import _zerompi_default_bucket
         from zerompi.models.gpt import PRESETS, GPTConfig
@@ -68,43 +63,13 @@ def predicted_bytes(model: str, n: int, stage: int, bsz: int, seq: int) -> int |
         for name, kw in EXTRA_SHAPES.items():
             PRESETS[name] = GPTConfig(**kw)
         return n * predict_rank_bytes(f"zerompi-{stage}", model, n, bsz, seq,
-                                      _zerompi_default_bucket(), True)
+                                      _zerompi_default_bucket(n, stage), True)
     except Exception:  # the checkout may be mid-change; the check is only a safeguard
         return None
 
 
-def _descendants(pid: int) -> list[int]:
-    """All live descendants of pid (from /proc): MPICH's ranks get process groups of their own."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def kill_run(p) -> None:
-    """SIGKILL one mpiexec this script started: its process group and every descendant."""
-    victims = _descendants(p.pid)
-    for sig_target in (lambda: os.killpg(p.pid, signal.SIGKILL),
-                       *[(lambda c=c: os.kill(c, signal.SIGKILL)) for c in victims]):
-        try:
-            sig_target()
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def run_one(args, side: str, root: str, worker_dir: Path, cfg: dict, rep: int, work: Path,
-            procs: list) -> tuple[dict | None, dict | None]:
+def run_one(args, side: str, root: str, worker_dir: Path, cfg: dict, rep: int,
+            work: Path) -> tuple[dict | None, dict | None]:
     tag = f"{cfg['model']}__n{cfg['n']}__s{cfg['stage']}__r{rep}__{side}"
     rfile = work / f"{tag}.json"
     rfile.unlink(missing_ok=True)
@@ -115,42 +80,20 @@ def run_one(args, side: str, root: str, worker_dir: Path, cfg: dict, rep: int, w
                    "--out", str(rfile)]
     if args.bucket_size:
         worker_args += ["--bucket-size", str(args.bucket_size)]
-    cmd = ["mpiexec", "-n", str(cfg["n"]), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
-           "--worker-root", root, "--worker-dir", str(worker_dir), "--", *worker_args]
-    sys.path.insert(0, str(HERE))
-    from bench_env import RANK_ENV
-
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    env.update(RANK_ENV)  # GLOO_SOCKET_IFNAME/UCX_NET_DEVICES=lo, OMP/MKL_NUM_THREADS=1
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    argv = [HERE / "compare_sides.py", "--worker-root", root, "--worker-dir", worker_dir, "--",
+            *worker_args]
     if args.wait_quiet > 0:
         deadline = time.monotonic() + args.wait_quiet_max
         while os.getloadavg()[0] > args.wait_quiet and time.monotonic() < deadline:
             time.sleep(10)
     code_sha = _tree_sha256(Path(root) / "zerompi")
     load0 = os.getloadavg()
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env, start_new_session=True)
-    procs.append(p)
-    try:
-        log, _ = p.communicate(timeout=args.run_timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        kill_run(p)  # only the processes this script started
-        log, _ = p.communicate()
-        rc = "timeout"
-    except BaseException:  # Ctrl-C (the ranks are in another session) or SIGTERM
-        kill_run(p)
-        p.wait()
-        raise
-    finally:
-        procs.remove(p)
-    wall = time.monotonic() - t0
-    (work / f"{tag}.log").write_text(log)
+    # PYTHONPATH starts with the side's root; an interrupt kills the job and propagates
+    job = launch(cfg["n"], argv, timeout=args.run_timeout, root=root, log=work / f"{tag}.log")
+    log, rc, wall = job.output, job.status, job.elapsed_s
     base = {"side": side, "model": cfg["model"], "n": cfg["n"], "stage": cfg["stage"],
             "repeat": rep, "wall_s": wall, "loadavg_before_launch": load0,
-            "command": " ".join(shlex.quote(c) for c in cmd), "log": str(work / f"{tag}.log"),
+            "command": job.command_line, "log": str(work / f"{tag}.log"),
             # the code this run measured (the AFTER tree may be edited while a sweep runs)
             "zerompi_py_sha256": code_sha}
     if rc == 0 and rfile.exists():
@@ -165,9 +108,6 @@ def driver(args) -> None:
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = False  # this process only reads versions
-    sys.path.insert(0, str(HERE))
-    from bench_env import RANK_ENV, machine_info, mem_info, software_info
-
     before, after = os.path.realpath(args.before), os.path.realpath(args.after)
     for p in (before, after):
         if not (Path(p) / "zerompi" / "__init__.py").exists():
@@ -258,14 +198,6 @@ def driver(args) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1))
 
-    procs: list = []
-
-    def on_term(signum, frame):  # kill our mpiexec and its ranks, then stop
-        for p in list(procs):
-            kill_run(p)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
     t_all = time.monotonic()
     skip, checked = set(), set()
     try:
@@ -285,7 +217,7 @@ def driver(args) -> None:
                           flush=True)
                     skip.add(ci)
                     continue
-            run, fail = run_one(args, side, roots[side], wdir[side], cfg, rep, work, procs)
+            run, fail = run_one(args, side, roots[side], wdir[side], cfg, rep, work)
             label = f"{cfg['model']} N={cfg['n']} stage {cfg['stage']} rep {rep} {side:6s}"
             el = time.monotonic() - t_all
             if run:
@@ -299,10 +231,8 @@ def driver(args) -> None:
                 print(f"[compare] ({i + 1}/{len(plan)}) FAILED {label} (rc={fail['returncode']}); "
                       f"log {fail['log']}\n{fail['log_tail'][-1500:]}", flush=True)
             write()  # after every run: an interrupted sweep keeps its results
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: launch killed the running job
         print("[compare] interrupted; writing what finished", flush=True)
-        for p in list(procs):
-            kill_run(p)
     write()
     print_table(doc)
     print(f"[compare] wrote {out} ({len(doc['runs'])} runs, {len(doc['failed'])} failed, "
@@ -316,11 +246,6 @@ def driver(args) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--worker-root":  # per-rank mode, started by the driver
-        sep = argv.index("--")
-        opts = dict(zip(argv[:sep:2], argv[1:sep:2]))
-        worker_main(opts["--worker-root"], opts.get("--worker-dir", str(HERE)), argv[sep + 1:])
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", default=DEFAULT_BEFORE, help="checkout BEFORE the change")

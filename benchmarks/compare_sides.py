@@ -1,6 +1,12 @@
 """compare_commits.py's two sides: the per-rank worker entry that imports zerompi from one
 checkout (and proves it did), and what identifies a side (git commit, changed files, a
-checksum of its zerompi code)."""
+checksum of its zerompi code).
+
+    mpiexec -n N python -m mpi4py benchmarks/compare_sides.py --worker-root ROOT \
+        --worker-dir DIR -- BENCH_DP_WORKER_ARGS...      (compare_commits.py starts it)
+
+This module imports no sibling at its top: with `--worker each` the ranks must import
+bench_dp and bench_env from the other side's DIR, not this one's."""
 from __future__ import annotations
 
 import hashlib
@@ -101,3 +107,11 @@ def side_info(root: str, worker_dir: Path) -> dict:
         "worker_files_sha256": {f: hashlib.sha256((worker_dir / f).read_bytes()).hexdigest()
                                 for f in WORKER_FILES if (worker_dir / f).exists()},
     }
+
+
+if __name__ == "__main__":  # on every rank, started by compare_commits.py
+    args = sys.argv[1:]
+    sep = args.index("--")
+    opts = dict(zip(args[:sep:2], args[1:sep:2]))
+    worker_main(opts["--worker-root"], opts.get("--worker-dir", str(Path(__file__).resolve().parent)),
+                args[sep + 1:])

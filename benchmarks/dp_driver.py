@@ -6,8 +6,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,13 +17,13 @@ from bench_env import (
     HERE,
     MALLOC_ENVS,
     RANK_ENV,
-    ROOT,
     machine_info,
     mem_info,
     software_info,
 )
 from dp_systems import _zerompi_default_bucket, expected_model_state_bytes, parse_system
-
+from launch import launch
+import plot_dp
 
 
 def predict_rank_bytes(system: str, model: str, n: int, bsz: int, seq: int,
@@ -93,7 +91,8 @@ def driver(args) -> None:
                        "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
                        "torch_adamw": args.torch_adamw, "ddp_bucket_mb": args.ddp_bucket_mb,
                        "ddp_gradient_as_bucket_view": bool(args.ddp_grad_view),
-                       "zerompi_bucket_size": args.bucket_size or _zerompi_default_bucket(),
+                       "zerompi_bucket_size": args.bucket_size or {
+                           str(n): _zerompi_default_bucket(n) for n in nranks},
                        "deepspeed": "fp32, torch AdamW (torch_adam), reduce/allgather buckets = "
                                     "zerompi_bucket_size, other ZeRO settings DeepSpeed's defaults; "
                                     "stage 3 built under deepspeed.zero.Init",
@@ -124,7 +123,6 @@ def driver(args) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             ds_missing = ("deepspeed is not installed (pip install einops hjson msgpack ninja "
                           "psutil && pip install --no-deps deepspeed==0.19.8; see benchmarks/README.md)")
-    default_bucket = _zerompi_default_bucket()
     plan = [(m, n, s, mal) for m in models for n in nranks for mal in mallocs for s in systems]
     t_all = time.monotonic()
     for i, (m, n, s, mal) in enumerate(plan):
@@ -132,8 +130,9 @@ def driver(args) -> None:
         tag = f"{s}__{m}__n{n}__{mal}"
         psi = count_params(PRESETS[m])
         steps = args.steps_large if psi >= args.large_params else args.steps
-        pred = n * predict_rank_bytes(s, m, n, bsz, seq, args.bucket_size or default_bucket,
-                                      bool(args.ddp_grad_view))
+        _, stage, prec = parse_system(s)
+        bucket = args.bucket_size or _zerompi_default_bucket(n, stage or 0, prec)
+        pred = n * predict_rank_bytes(s, m, n, bsz, seq, bucket, bool(args.ddp_grad_view))
         avail = mem_info().get("MemAvailable", 0)
         entry = {"system": s, "model": m, "n": n, "malloc": mal,
                  "predicted_total_bytes": pred, "mem_available_bytes": avail}
@@ -158,43 +157,34 @@ def driver(args) -> None:
             while os.getloadavg()[0] > args.wait_quiet and time.monotonic() < deadline:
                 time.sleep(10)
         rfile = work / f"{tag}.json"
-        cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
-               "--system", s, "--model", m, "--micro-batch", str(bsz), "--seq-len", str(seq),
-               "--warmup", str(args.warmup), "--steps", str(steps), "--threads", str(args.threads),
-               "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
-               "--torch-adamw", args.torch_adamw, "--ddp-bucket-mb", str(args.ddp_bucket_mb),
-               "--ddp-grad-view", str(args.ddp_grad_view), "--seed", str(args.seed),
-               "--malloc-label", mal, "--out", str(rfile)]
+        argv = [script, "--system", s, "--model", m, "--micro-batch", bsz, "--seq-len", seq,
+                "--warmup", args.warmup, "--steps", steps, "--threads", args.threads,
+                "--lr", args.lr, "--weight-decay", args.weight_decay,
+                "--torch-adamw", args.torch_adamw, "--ddp-bucket-mb", args.ddp_bucket_mb,
+                "--ddp-grad-view", args.ddp_grad_view, "--seed", args.seed,
+                "--malloc-label", mal, "--out", rfile]
         if args.bucket_size:
-            cmd += ["--bucket-size", str(args.bucket_size)]
+            argv += ["--bucket-size", args.bucket_size]
         if args.ds_zero:
-            cmd += ["--ds-zero", args.ds_zero]
-        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-        env.update(RANK_ENV)
-        env.update(MALLOC_ENVS[mal])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+            argv += ["--ds-zero", args.ds_zero]
         print(f"[driver] ({i + 1}/{len(plan)}) {tag}: predicted {pred / GiB:.1f} GiB", flush=True)
-        t0 = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=env, start_new_session=True)
         try:
-            log, _ = p.communicate(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # only the process group this driver started
-            log, _ = p.communicate()
-            p.returncode = "timeout"
-        wall = time.monotonic() - t0
-        (work / f"{tag}.log").write_text(log)
-        if p.returncode == 0 and rfile.exists():
+            job = launch(n, argv, timeout=args.run_timeout, env=MALLOC_ENVS[mal],
+                         log=work / f"{tag}.log")
+        except KeyboardInterrupt:  # the job is killed; keep what finished
+            print("[driver] interrupted; writing what finished", flush=True)
+            break
+        log, wall = job.output, job.elapsed_s
+        if job.ok and rfile.exists():
             run = json.loads(rfile.read_text())
             run["wall_s"] = wall
             run["predicted_total_bytes"] = pred
             doc["runs"].append(run)
             sys.stdout.write("".join(l + "\n" for l in log.splitlines() if l.startswith("[bench_dp]")))
         else:
-            entry.update(returncode=p.returncode, wall_s=wall, log_tail=log[-3000:])
+            entry.update(returncode=job.status, wall_s=wall, log_tail=job.tail())
             doc["failed"].append(entry)
-            print(f"[driver] FAILED {tag} (rc={p.returncode}); log {work / (tag + '.log')}\n"
+            print(f"[driver] FAILED {tag} (rc={job.status}); log {work / (tag + '.log')}\n"
                   f"{log[-1500:]}", flush=True)
         doc["total_wall_s"] = time.monotonic() - t_all
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,9 +194,6 @@ def driver(args) -> None:
     print(f"[driver] wrote {out} ({len(doc['runs'])} runs, {len(doc['skipped'])} skipped, "
           f"{len(doc['failed'])} failed) in {doc.get('total_wall_s', 0):.0f}s", flush=True)
     if args.png:
-        sys.path.insert(0, str(HERE))
-        import plot_dp
-
         plot_dp.plot(doc, args.png)
         print(f"[driver] wrote {args.png}", flush=True)
 

@@ -174,10 +174,10 @@ def build_system(args, gcfg, comm, marks: dict):
     return ddp, lambda loss: loss.backward(), step, info, dist.destroy_process_group
 
 
-def deepspeed_config(args, stage: int, bsz: int) -> dict:
+def deepspeed_config(args, stage: int, bsz: int, n: int) -> dict:
     """fp32 DeepSpeed config with the benchmark's AdamW (torch's implementation, so no
-    C++ op is built) and communication buckets of zerompi's size."""
-    bucket = args.bucket_size or _zerompi_default_bucket()
+    C++ op is built) and communication buckets of zerompi's size at n ranks."""
+    bucket = args.bucket_size or _zerompi_default_bucket(n, stage)
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage < 3:
         zero["allgather_bucket_size"] = bucket
@@ -192,10 +192,14 @@ def deepspeed_config(args, stage: int, bsz: int) -> dict:
     }
 
 
-def _zerompi_default_bucket() -> int:
+def _zerompi_default_bucket(n: int, stage: int = 2, precision: str = "fp32") -> int:
+    """Elements per bucket of zerompi's default bucket_size at n ranks: "auto" resolves
+    with n (zero/buckets.py: 2^22 up to 14 ranks in fp32, growing beyond)."""
     from zerompi.config import ZeroConfig
+    from zerompi.zero import buckets
 
-    return ZeroConfig().bucket_size
+    cfg = ZeroConfig()
+    return buckets.resolve(cfg.bucket_size, n, precision, cfg.reduce_dtype, stage)[0]
 
 
 def _replay_init_partitioned(model, deepspeed) -> None:
@@ -250,7 +254,7 @@ def _build_deepspeed(args, gcfg, comm, marks, stage, opt_kw):
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                                timeout=_dt.timedelta(minutes=30))
     bsz = marks["micro_batch"]
-    cfg = deepspeed_config(args, stage, bsz)
+    cfg = deepspeed_config(args, stage, bsz, comm.Get_size())
     torch.manual_seed(args.seed)
     if stage == 3:
         # dtype comes from the config (fp32): an explicit dtype= argument is ignored on the

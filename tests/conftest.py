@@ -33,3 +33,29 @@ def ckpt_base(tmp_path_factory):
     from checkpoint_cases import base_checkpoints
 
     return base_checkpoints(tmp_path_factory.mktemp("base"))
+
+
+@pytest.fixture(scope="session")
+def net_nodes():
+    """Two simulated nodes (tests/netcluster.py), unshaped until a test shapes them.
+    Skips with the reason where it cannot run (not root, no `ip netns`)."""
+    from netcluster import NetCluster, available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(why)
+    with NetCluster(nodes=2, rate_mbit=None) as net:
+        yield net
+
+
+@pytest.fixture(scope="session")
+def net_slurm(net_nodes):
+    """Slurm across net_nodes (tests/netslurm.py): one slurmctld, one slurmd per node."""
+    from netslurm import NetSlurm
+    from slurm_cluster import slurm_available
+
+    ok, why = slurm_available()
+    if not ok:
+        pytest.skip(why)
+    with NetSlurm(net_nodes) as cluster:
+        yield cluster

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 # torch first, pinned: an unpinned torch would pull the newest CUDA build (several GB).
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[mpich,test]"
-# System packages for the real-Slurm and h5ls/h5dump tests (they skip where these cannot
-# be installed, e.g. without root).
-bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools
+# System packages for the real-Slurm, h5ls/h5dump and simulated-node (ip, tc, nsenter)
+# tests (they skip where these cannot be installed, e.g. without root).
+bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools iproute2 util-linux
 
 export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 exec python -m pytest -q -rs tests "$@"

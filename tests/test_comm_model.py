@@ -1,4 +1,4 @@
-"""The alpha-beta communication model and the "auto" bucket size (zerompi/estimate/comm_model.py):
+"""The alpha-beta communication model and the "auto" bucket size (zerompi/comm/cost_model.py):
 single process, no MPI, no torch."""
 from __future__ import annotations
 

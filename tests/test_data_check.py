@@ -1,4 +1,4 @@
-"""Data validation at start (zerompi/data_check.py): formats detected from their bytes,
+"""Data validation at start (zerompi/data/check.py): formats detected from their bytes,
 sizes and dtypes checked, ids checked against the vocabulary on a sample and lazily per
 batch; a bad --data ends `zerompi.train` with one message from rank 0 and exit 2."""
 import json

@@ -80,7 +80,7 @@ def test_abort_hook_waits_until_its_stderr_pipe_is_read():
     import os
     import time
 
-    from zerompi.runtime import _drain
+    from zerompi.runtime.abort import _drain
 
     r, w = os.pipe()
     try:

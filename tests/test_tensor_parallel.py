@@ -1,5 +1,5 @@
 """Tensor parallelism for the reference GPT (issue 15): parallel/tensor_parallel.py's
-layers and models/parallelize.py against the plain GPT built with the same seed.
+layers and parallel/parallelize.py against the plain GPT built with the same seed.
 
 tests/workers/tp_model.py: at tp = 2 and 4 every local weight is its tp_layout slice of
 the plain weight (bitwise), the loss and every local gradient match the plain model's,

@@ -1,4 +1,4 @@
-"""The reference GPT split by models/parallelize.py against the plain GPT built with the
+"""The reference GPT split by parallel/parallelize.py against the plain GPT built with the
 same seed, on every rank: local weights are the tp_layout slices of the plain weights
 (bitwise), loss and gradients match, the padded vocabulary never matters, a few AdamW
 SGD steps follow the plain run. Rank 0 writes the JSON; each rank's own numbers are

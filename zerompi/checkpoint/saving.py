@@ -1,10 +1,11 @@
 """Collective, atomic save (all ranks call it together).
 
 1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
-2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
+2. rank 0 creates DIR/.tmp-TAG-<random> and tells every rank its name; at the first save of a
+   multi-node job, every node must see it (shared.py: else one message, nothing left);
 3. each rank writes rank-XXXXX.h5, checksumming its bytes from memory as they are
-   written (writer._stream, or rankfile.write_staged from a snapshot: CRC-32 per 64 MiB block, as format.digest_file computes),
-   and fsyncs it;
+   written (writer._stream, or rankfile.write_staged from a snapshot: CRC-32 per 64 MiB
+   block, as format.digest_file computes), and fsyncs it;
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
 5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
@@ -39,6 +40,7 @@ from . import directory as dirs
 from . import format as fmt
 from .format import CheckpointError
 from .index import write_metadata
+from .shared import check_once as check_shared_once
 from .verify import check_coverage
 from .writer import model_tensors, rank_file_bytes, write_rank_file
 
@@ -144,6 +146,7 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
     _, tmp, tag, dir_err = everyone[0]   # rank 0's directory and tag, should the ranks' tags differ
     runtime.raise_found(runtime.merged([runtime.as_items(dir_err)]), 1,
                         f"save_checkpoint to {os.path.join(directory, tag)}", CheckpointError)
+    check_shared_once(engine.dims, directory, tmp)  # first save of a multi-node job: all nodes see it
     return {"directory": directory, "tmp": tmp, "tag": tag, "target": os.path.join(directory, tag),
             "client_json": client_json, "keep_last": keep_last,
             "lowp": fmt.lowp_kind(engine.config.precision),

@@ -90,7 +90,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Widths come from the tensors, so a c_attn holding only some heads' q, k, v rows
-        # (models/parallelize.py) works unchanged.
+        # (parallel/parallelize.py) works unchanged.
         b, t, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         # (B, T, heads * hs) -> (B, heads, T, hs)
@@ -139,7 +139,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter object
-        # (logits, targets) -> scalar loss; replaceable (models/parallelize.py swaps in the
+        # (logits, targets) -> scalar loss; replaceable (parallel/parallelize.py swaps in the
         # vocab-parallel cross-entropy). A plain function, not a module: no parameters.
         self.loss_fn = cross_entropy_fp32
         self._init_weights()

@@ -12,7 +12,7 @@ tensor (tp_layout.mark); replicated ones are left unmarked.
 
 At tp=1 no communication happens and every layer computes exactly what the plain torch
 layer does (bitwise). Dropout inside tp regions is not handled (it would need a
-tp-aware RNG): models/parallelize.py refuses dropout > 0 at tp > 1.
+tp-aware RNG): parallel/parallelize.py refuses dropout > 0 at tp > 1.
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
         time.sleep(2.0)  # let rank 0 print before this rank's abort ends the job
         abort("", exc.exit_code)
     code = 130 if exc_type is KeyboardInterrupt else 1
-    if getattr(exc, "user_error", False):  # bad input (data_check.DataError): the message says it all
+    if getattr(exc, "user_error", False):  # bad input (data.check.DataError): the message says it all
         msg, code = f"zerompi: error: {exc}", 2
     else:
         try:

@@ -175,7 +175,7 @@ class Init:
         s = self.session
         ip._ACTIVE.remove(s)
         s.close()
-        runtime.release_free_memory()  # the freed full parameters, see runtime.py
+        runtime.release_free_memory()  # the freed full parameters, see runtime/malloc.py
         if exc_type is None:  # after an error, peers may never reach this collective
             s.check_same_everywhere()
 

@@ -2,8 +2,8 @@
 """Where a verified checkpoint load spends its time, per phase, at N = 1 and N = 4, and
 the machine's own ceilings (disk bandwidth, CRC-32 and page-cache copy speed per core).
 
-    python benchmarks/load_phases.py --driver --machine vm \
-        --out benchmarks/results/checkpoint_load_phases.json [--before /tmp/zerompi-before]
+    python benchmarks/investigations/load_phases.py --driver --machine vm \
+        --out benchmarks/investigations/results/checkpoint_load_phases.json [--before /tmp/zerompi-before]
 
 Same state and method as bench_checkpoint.py (135.0M-parameter GPT, fp32 + AdamW, stage 2,
 1.62 GB; cold loads after dropping the page cache, checksums verified). The worker wraps
@@ -34,9 +34,10 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: this study sits one folder down
 import bench_checkpoint as bc  # noqa: E402
+from bench_env import ROOT  # noqa: E402
+from launch import launch  # noqa: E402
 
 _PH: dict = {}
 
@@ -154,7 +155,7 @@ def _summary(reps: list[dict], nbytes: int) -> dict:
 
 def driver(a) -> None:
     os.makedirs(a.workdir, exist_ok=True)
-    sides = {"after": str(HERE.parent)}
+    sides = {"after": str(ROOT)}
     if a.before:
         sides["before"] = os.path.abspath(a.before)
     pairs = [(side, n) for n in (1, 4) for side in sides]
@@ -162,14 +163,13 @@ def driver(a) -> None:
     for r in range(a.rounds):
         for side, n in (pairs if r % 2 == 0 else pairs[::-1]):  # ABBA: drift cancels
             out = Path(a.workdir) / f"phases-{side}-n{n}-r{r}.json"
-            cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
-                   "--model", a.model, "--vocab", str(a.vocab), "--repeats", str(a.repeats), "--root", sides[side],
-                   "--dir", str(Path(a.workdir) / f"ck-n{n}"), "--out", str(out), "--settle", str(a.settle)]
+            argv = [Path(__file__).resolve(), "--model", a.model, "--vocab", a.vocab, "--repeats", a.repeats,
+                    "--root", sides[side], "--dir", Path(a.workdir) / f"ck-n{n}", "--out", out,
+                    "--settle", a.settle]
             load0 = os.getloadavg()
-            p = subprocess.run(cmd, env=dict(os.environ, **bc.RANK_ENV, PYTHONPATH=sides[side]),
-                               capture_output=True, text=True, timeout=a.timeout)
-            if p.returncode != 0:
-                raise SystemExit(f"{side} N={n} failed:\n{(p.stdout + p.stderr)[-2000:]}")
+            job = launch(n, argv, timeout=a.timeout, root=sides[side], env={"DS_ACCELERATOR": "cpu"})
+            if not job.ok:
+                raise SystemExit(f"{side} N={n} failed ({job.status}):\n{job.tail(2000)}")
             res = json.loads(out.read_text())
             if not res["zerompi"].startswith(sides[side] + os.sep):
                 raise SystemExit(f"{side} imported {res['zerompi']}, not from {sides[side]}")
@@ -213,7 +213,7 @@ def main() -> None:
                     help="seconds between dropping the page cache and each load (5: the VM has "
                          "handed the freed memory back to the host, as before a fresh job's load)")
     ap.add_argument("--before", default="", help="another zerompi checkout: its jobs alternate with this one's")
-    ap.add_argument("--root", default=str(HERE.parent), help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     ap.add_argument("--dir", default="/tmp/zerompi-ckphases/ck")
     ap.add_argument("--workdir", default="/tmp/zerompi-ckphases")
     ap.add_argument("--timeout", type=int, default=1200)

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Where stage 3's peak RSS per rank goes, with the gather pool and without it.
 
-    python benchmarks/stage3_rss_breakdown.py --out benchmarks/results/stage3_rss_breakdown.json
+    python benchmarks/investigations/stage3_rss_breakdown.py \
+        --out benchmarks/investigations/results/stage3_rss_breakdown.json
 
-Runs `mpiexec -n N` of this file's per-rank worker once per side: "pool" (this checkout),
+Runs an N-rank job (launch.py) of this file's per-rank worker once per side: "pool" (this checkout),
 "no_pool" (the same code with zero/gather_pool.available() forced False, so every
 gather allocates its unit and every release frees it, as before the pool) and "no_trim"
 (the same code with runtime.malloc.HeapTrimmer disabled: backward's freed heap memory stays
@@ -35,16 +36,19 @@ import datetime as _dt
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: this study sits one folder down
+from bench_env import machine_info, software_info  # noqa: E402
+from launch import launch  # noqa: E402
+
 MiB = 1 << 20
 MACHINE = "vm, 2-core AMD EPYC, 24 GiB, torch 2.13.0+cpu, pip MPICH"
 SHAPE = dict(vocab_size=256, block_size=1024, n_layer=19, n_head=12, n_embd=768)  # "gpt-135m"
+# launch.py drops glibc's allocator variables; zerompi's own switch goes too
 ALLOC_VARS = ("ZEROMPI_MALLOC", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
               "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
@@ -102,7 +106,6 @@ def worker(args) -> None:
     import torch
     from mpi4py import MPI
 
-    sys.path.insert(0, str(ROOT))
     import zerompi
     from zerompi.models.gpt import GPT, GPTConfig
     from zerompi.zero import gather_pool
@@ -213,12 +216,6 @@ def summarize(side: dict) -> dict:
 
 
 def driver(args) -> None:
-    sys.path.insert(0, str(HERE))
-    from bench_env import RANK_ENV, machine_info, software_info
-
-    env = {k: v for k, v in os.environ.items() if k not in ALLOC_VARS}
-    env.update(RANK_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     doc = {"benchmark": "stage3_rss_breakdown: peak RSS per rank of the 135M GPT, stage 3, fp32, "
                         "glibc defaults, sides: this checkout (pool), without the gather pool (no_pool), without heap trimming (no_trim)",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -234,13 +231,12 @@ def driver(args) -> None:
         sides = args.sides.split(",")
         for side in (sides if rep % 2 == 0 else sides[::-1]):
             tmp = Path(args.out).with_suffix(f".{side}.{rep}.tmp.json")
-            cmd = ["mpiexec", "-n", str(args.nranks), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
-                   "--worker", "--side", side, "--out", str(tmp), "--steps", str(args.steps),
-                   "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
-            cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            if p.returncode != 0:
-                sys.exit(f"{side}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            argv = [Path(__file__).resolve(), "--worker", "--side", side, "--out", tmp,
+                    "--steps", args.steps, "--micro-batch", args.micro_batch, "--seq-len", args.seq_len]
+            argv += ["--activation-checkpointing"] if args.activation_checkpointing else []
+            job = launch(args.nranks, argv, timeout=args.timeout, env={"ZEROMPI_MALLOC": None})
+            if not job.ok:
+                sys.exit(f"{side}: exit {job.status}\n{job.tail(6000)}")
             run = json.loads(tmp.read_text())
             tmp.unlink()
             doc["runs"].setdefault(side, []).append({"summary": summarize(run), "raw": run})

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """ZeRO-R activation checkpoints with tensor parallelism: memory and Pa's traffic.
 
-    python benchmarks/bench_zero_r.py --out benchmarks/results/zero_r_cpu.json \\
-        --png benchmarks/results/zero_r_cpu.png
+    python benchmarks/investigations/bench_zero_r.py \\
+        --out benchmarks/investigations/results/zero_r_cpu.json \\
+        --png benchmarks/investigations/results/zero_r_cpu.png
 
 For the GPT below (4 blocks, width 512, 16 x 256 tokens per rank and micro-step), one
-mpiexec per configuration: tp = 1 (1 rank) and tp = 2 (2 ranks, dp = 1), activation
+job (launch.py) per configuration: tp = 1 (1 rank) and tp = 2 (2 ranks, dp = 1), activation
 checkpointing off | plain | partition (Pa) | partition + cpu_offload + contiguous, ZeRO
 stage 2, fp32. Per configuration (rank 0; tp ranks are symmetric):
   - memory_report()'s activation_ckpt_device / _host (bytes set aside for kept inputs);
@@ -24,15 +25,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_env import RANK_ENV, machine_info, reset_hwm, software_info, current_rss, vm_hwm
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: this study sits one folder down
+from bench_env import current_rss, machine_info, reset_hwm, software_info, vm_hwm  # noqa: E402
+from launch import launch  # noqa: E402
+
 MODES = {"off": None, "plain": {"enabled": True},
          "partition": {"enabled": True, "partition": True},
          "offload": {"enabled": True, "partition": True, "cpu_offload": True, "contiguous": True}}
@@ -114,12 +116,10 @@ def main() -> None:
             if tp == 1 and mode == "offload":
                 pass  # still measured: offload without partition at tp 1
             out = os.path.join(tmp, f"tp{tp}-{mode}.json")
-            cmd = ["mpiexec", "-n", str(tp), sys.executable, str(HERE / "bench_zero_r.py"), "--worker",
-                   "--out", out, "--tp", str(tp), "--mode", mode, "--steps", str(a.steps)]
-            env = dict(os.environ, **RANK_ENV)
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-            if p.returncode:
-                sys.exit(f"failed: {' '.join(cmd)}\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+            job = launch(tp, [HERE / "bench_zero_r.py", "--worker", "--out", out, "--tp", tp,
+                              "--mode", mode, "--steps", a.steps], timeout=600)
+            if not job.ok:
+                sys.exit(f"failed ({job.status}): {job.command_line}\n{job.tail(6000)}")
             r = json.load(open(out))
             runs.append(r)
             print(f"tp {tp} {mode:9s} ckpt device {r['activation_ckpt_device'] / 2**20:7.2f} MiB "
