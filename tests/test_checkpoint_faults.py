@@ -51,12 +51,12 @@ def test_crash_single_rank_many_kills(tmp_path, mode):
 def test_crash_two_ranks(tmp_path, mode):
     """SIGKILL of a whole 2-rank job (its process group, like a node failure or scancel)
     at a random moment after its first save, i.e. inside a later save (async: inside a
-    background write); the next job
-    loads and verifies the latest checkpoint and its successful save cleans up."""
+    background write; 5 jobs); the next job loads and verifies the latest checkpoint and
+    its successful save cleans up."""
     ck = str(tmp_path / "ck")
     args = [str(WORKERS / "ckpt_crash.py"), "--dir", ck, "--mpi"] + (["--async"] if mode == "async" else [])
     rng = random.Random(2)
-    for trial in range(3):
+    for trial in range(5 if mode == "async" else 3):   # async: 20 + 5 + 6 kill trials in this file
         cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py"] + args
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=mpi_env(), start_new_session=True)
@@ -86,15 +86,16 @@ def test_crash_two_ranks(tmp_path, mode):
 
 def test_sigkill_of_one_rank_during_background_writes(tmp_path):
     """One rank of a 2-rank job SIGKILLs itself at a random moment (a node failure) while
-    a background save is nearly always in flight (one per step), rank 0 or 1, writer
-    thread or process; the launcher ends the job. Each time the previous checkpoint
+    a background save is nearly always in flight (one per step): 6 jobs, rank 0 and rank
+    1 each with writer thread and process; the launcher ends the job. Each time the previous checkpoint
     verifies, every visible one does, latest is not older than the last save reported
     published, and the next job resumes from it."""
     ck = tmp_path / "ck"
     base = [str(WORKERS / "ckpt_crash.py"), "--dir", str(ck), "--mpi", "--async"]
     run_mpi(2, base + ["--once"], timeout=120)
     hits = 0
-    for trial, (rank, writer) in enumerate([(1, "thread"), (0, "process"), (1, "thread")]):
+    kills = [(1, "thread"), (0, "process"), (1, "process"), (0, "thread"), (1, "thread"), (0, "process")]
+    for trial, (rank, writer) in enumerate(kills):
         before = verify_checkpoint(ck)["client_state"]["data_step"]
         res = run_mpi(2, base + ["--writer", writer, "--kill-rank", str(rank), "--seed", str(trial),
                                  "--max-delay", "0.6"], timeout=120, check=False)
