@@ -193,9 +193,13 @@ def driver(a) -> None:
     work.mkdir(parents=True, exist_ok=True)
     info = machine_info(str(work))
     info["name"] = a.machine or info["hostname"]
+    git = ["git", "-C", str(ROOT)]
+    info["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    info["git_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                            capture_output=True, text=True).stdout.strip())
     report = {"benchmark": "asynchronous vs synchronous checkpoints while training",
               "model": "gpt2 (vocab 64000), fp32 + AdamW", "params": 134994432, "tokens_per_rank_step": a.tokens,
-              "order": a.order * a.rounds, "machine": info,
+              "order": a.order * a.rounds, "machine": info, "note": a.note,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "jobs": [], "summary": []}
     env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
     for n in a.ranks:
@@ -236,6 +240,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--driver", action="store_true")
     ap.add_argument("--machine", default="")
+    ap.add_argument("--note", default="", help="said in the report (e.g. what else ran on the machine)")
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     ap.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
     ap.add_argument("--stage", type=int, default=2)
