@@ -43,7 +43,8 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_checkpoint import RANK_ENV, build_model, machine_info  # noqa: E402
+from bench_checkpoint import build_model, machine_info  # noqa: E402
+from bench_env import RANK_ENV  # noqa: E402
 
 ORDER = ("sync", "thread", "process", "process", "thread", "sync")
 
