@@ -1,4 +1,4 @@
-"""`python -m zerompi.train` with background saves (checkpoint.async_save, the default):
+"""`python -m zerompi.train` with background saves (checkpoint.async_save true):
 every way a run ends flushes the save in flight (a stop signal, the non-finite stop) or
 never publishes it (an exception on one rank); metrics and progress show each save's
 stall and background write time. The writes are slowed (workers/train_faults.py) so that
@@ -15,7 +15,7 @@ from zerompi.checkpoint import verify_checkpoint
 
 FAST = ["--model.preset", "tiny", "--global_batch", "4", "--max_steps", "30", "--warmup_steps", "1",
         "--lr_decay_steps", "20", "--eval_interval", "0", "--keep_last", "0", "--log_interval", "1",
-        "--progress", "lines", "--zero.stage", "2", "--threads", "1"]
+        "--progress", "lines", "--zero.stage", "2", "--threads", "1", "--checkpoint.async_save", "true"]
 
 
 def cmd(run_dir, corpus, *extra):
