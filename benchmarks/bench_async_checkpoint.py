@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ for p in (str(ROOT), str(HERE)):
         sys.path.insert(0, p)
 
 from bench_checkpoint import build_model, machine_info  # noqa: E402
-from bench_env import RANK_ENV  # noqa: E402
+from launch import launch  # noqa: E402
 
 ORDER = ("sync", "thread", "process", "process", "thread", "sync")
 
@@ -202,18 +203,16 @@ def driver(a) -> None:
               "model": "gpt2 (vocab 64000), fp32 + AdamW", "params": 134994432, "tokens_per_rank_step": a.tokens,
               "order": a.order * a.rounds, "machine": info, "note": a.note,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "jobs": [], "summary": []}
-    env = dict(os.environ, **RANK_ENV, PYTHONPATH=str(ROOT))
     for n in a.ranks:
         for stage in a.stages:
             out = work / f"n{n}-s{stage}.json"
-            cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--stage", str(stage),
-                   "--dir", str(work / "ck"), "--out", str(out), "--rounds", str(a.rounds), "--gap", str(a.gap),
-                   "--tokens", str(a.tokens), "--order", ",".join(a.order)]
+            argv = [__file__, "--stage", str(stage), "--dir", str(work / "ck"), "--out", str(out),
+                    "--rounds", str(a.rounds), "--gap", str(a.gap), "--tokens", str(a.tokens), "--order", ",".join(a.order)]
             before, t0 = os.getloadavg(), time.perf_counter()
-            subprocess.run(["rm", "-rf", str(work / "ck")])
-            p = subprocess.run(cmd, env=env, timeout=a.timeout, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise SystemExit(f"job n={n} stage={stage} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            shutil.rmtree(work / "ck", ignore_errors=True)
+            p = launch(n, argv, timeout=a.timeout)   # the ranks' environment and kill policy of every benchmark
+            if not p.ok:
+                raise SystemExit(f"job n={n} stage={stage} failed ({p.status}):\n{p.tail()}")
             job = json.loads(out.read_text())
             job.update(load_avg_before=before, load_avg_after=os.getloadavg(),
                        job_seconds=round(time.perf_counter() - t0, 1))
