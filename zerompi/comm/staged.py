@@ -225,18 +225,24 @@ class StagedMPICommunicator(MPICommunicator):
 
         self.stager.run(_chunks(n, m), plan)
 
-    def _s_all_gather(self, send: torch.Tensor, recv: torch.Tensor, op: str) -> None:
+    def _s_all_gather(self, send: torch.Tensor, recv, op: str, root: int | None = None) -> None:
+        """recv = every rank's send, concatenated; with `root`, on that rank only (Gather)."""
         N, n = self.size, send.numel()
+        me = root is None or self.rank == root
         m = self.stager.chunk(N + 1, send.dtype)
+
+        def call(hs, hr):
+            if root is None:
+                return self.comm.Allgather(_arr(hs, op), _arr(hr, op))
+            return self.comm.Gather(_arr(hs, op), _arr(hr, op) if me else None, root=root)
 
         def plan(k, s):
             a, b = _span(n, m, k)
             w = b - a
             buf = self.stager.slot(s, send.dtype)
             hs, hr = buf[:w], buf[m:m + N * w]
-            unpack = [(recv[q * n + a:q * n + b], hr[q * w:(q + 1) * w]) for q in range(N)]
-            return [(hs, send[a:b])], \
-                lambda: self._mpi_call(op, lambda: self.comm.Allgather(_arr(hs, op), _arr(hr, op))), unpack
+            unpack = [(recv[q * n + a:q * n + b], hr[q * w:(q + 1) * w]) for q in range(N)] if me else []
+            return [(hs, send[a:b])], lambda: self._mpi_call(op, lambda: call(hs, hr)), unpack
 
         self.stager.run(_chunks(n, m), plan)
 
@@ -328,22 +334,11 @@ class StagedMPICommunicator(MPICommunicator):
         if not self._staged(send, *([] if recv is None else [recv])):
             return super().gather(send, recv, root)
         send, recv = _flat(send, "send"), _flat(recv, "recv")
-        N, n, me = self.size, send.numel(), self.rank == root
-        if me and recv.numel() != n * N:
+        N, n = self.size, send.numel()
+        if self.rank == root and recv.numel() != n * N:
             raise ValueError(f"gather: recv has {recv.numel()} elements, expected {N} x {n}")
         self._stats.record("gather", n * N, send.element_size())
-        m = self.stager.chunk(N + 1, send.dtype)
-
-        def plan(k, s):
-            a, b = _span(n, m, k)
-            w = b - a
-            buf = self.stager.slot(s, send.dtype)
-            hs, hr = buf[:w], buf[m:m + N * w]
-            unpack = [(recv[q * n + a:q * n + b], hr[q * w:(q + 1) * w]) for q in range(N)] if me else []
-            return [(hs, send[a:b])], lambda: self._mpi_call("gather", lambda: self.comm.Gather(
-                _arr(hs, "gather"), _arr(hr, "gather") if me else None, root=root)), unpack
-
-        self._timed("gather", lambda: self.stager.run(_chunks(n, m), plan), False)
+        self._timed("gather", lambda: self._s_all_gather(send, recv, "gather", root), False)
 
     def broadcast(self, t, root: int = 0) -> None:
         if not self._staged(t):
