@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
 # The test command of the README (and of .ci/run): installs everything the suite needs on
 # a fresh machine, then runs it. Safe to re-run: every step skips what is already there.
+#   bash tests/run.sh            every tier (tests/README.md)
+#   bash tests/run.sh --quick    the in-process tier only: no mpiexec, Slurm or end-to-end jobs
+# Further arguments go to pytest (e.g. -k parity, -x, tests/multirank/test_parity.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+    quick=1
+    shift
+fi
 
 # torch first, pinned: an unpinned torch would pull the newest CUDA build (several GB).
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[mpich,test]"
+export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
+if [ "$quick" = 1 ]; then
+    exec python -m pytest -q -rs -m "not mpi and not slurm and not system" tests "$@"
+fi
 # System packages for the real-Slurm and h5ls/h5dump tests (they skip where these cannot
 # be installed, e.g. without root).
 bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools
-
-export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 exec python -m pytest -q -rs tests "$@"
