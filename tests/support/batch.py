@@ -198,7 +198,7 @@ class Batches:
         cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / "batch.py"),
                str(d / "plan.json"), str(progress)]
         with shm_cleanup(), open(log, "w") as out:
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=mpi_env(self.env),
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=mpi_env(self.env, cmd),
                                  start_new_session=True)
             timed_out = self._watch(p, progress, [self.timeouts[c] for c in cases])
         started, ended = _read_progress(progress)
