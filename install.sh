@@ -15,8 +15,20 @@
 #                                    Linux x86_64: it runs on CPUs too, it is only larger.
 #   torch 2.13.0 already there    -> kept.
 # ZEROMPI_TORCH_CPU_INDEX overrides the CPU index (a site mirror).
+#
+# Offline (air-gapped nodes): everything from a folder of wheels, never the network:
+#   bash install.sh --wheelhouse DIR [".[cuda13]"]      # or ZEROMPI_WHEELHOUSE=DIR
+#   -> scripts/offline_install.sh (what it does, and how to fill DIR, is written there).
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ "${1:-}" = "--wheelhouse" ]; then
+    [ $# -ge 2 ] || { echo "install.sh: --wheelhouse needs a folder" >&2; exit 2; }
+    ZEROMPI_WHEELHOUSE="$2"
+    shift 2
+fi
+if [ -n "${ZEROMPI_WHEELHOUSE:-}" ]; then
+    exec bash scripts/offline_install.sh "$ZEROMPI_WHEELHOUSE" "$@"
+fi
 PIN="torch==2.13.0"
 CPU_INDEX="${ZEROMPI_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 PY="${PYTHON:-python}"

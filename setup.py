@@ -27,6 +27,11 @@ setup(
     extras_require={
         # An MPI library from PyPI for machines without a site MPI (workstations, CI).
         "mpich": ["mpich"],
+        # CuPy and NCCL for the CUDA major version of the installed torch
+        # (python -c "import torch; print(torch.version.cuda)"): 12.x -> cuda12, 13.x ->
+        # cuda13 (CuPy >= 14). `cuda` stays what it always was, CUDA 12.
+        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
+        "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         # transformers: tests build BERT, T5, GPT-2, Llama, Mixtral from configs (no download);
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time

@@ -28,6 +28,7 @@ from bench_env import machine_info  # first: puts this checkout's zerompi on sys
 from zerompi.kernels import adamw_table as kt  # noqa: E402
 from zerompi.kernels import cast as kcast  # noqa: E402
 from zerompi.kernels.adamw import adamw_scalars  # noqa: E402
+from zerompi.kernels.streams import cupy_stream  # noqa: E402
 
 SEGMENT = 1 << 22  # a shard is many parameter pieces: 4M-element segments, as a GPT's
 
@@ -78,7 +79,7 @@ def bench_size(n: int, grad_dtype: torch.dtype, warmup: int, repeats: int) -> di
     c = {k: as_cupy(t) for k, t in (("master", master), ("m", m), ("v", v), ("grad", grad),
                                     ("out", out), ("rows", rows))}
     stream = torch.cuda.current_stream()
-    with cupy.cuda.ExternalStream(stream.cuda_stream):
+    with cupy_stream(cupy, stream, torch.cuda.current_device()):
         t_adamw = timed(lambda: kt.adamw_table_step(c["master"], c["m"], c["v"], c["grad"], c["out"],
                                                     segs, tiles, c["rows"]), warmup, repeats)
         weights = cupy.ones(table.nseg, np.float64)

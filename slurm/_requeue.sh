@@ -13,6 +13,9 @@
 
 # zerompi.train's "stopped by a signal after a checkpoint: requeue me" exit code.
 ZEROMPI_REQUEUE_EXIT=124
+# zerompi.train's "a collective wait passed zero.comm.timeout_s" exit code: the watchdog
+# named ranks that did not answer, as when a node is lost.
+ZEROMPI_LOST_EXIT=3
 # Give up after this many requeues (a job that crashes right after each resume would
 # otherwise cycle forever). Override at submission: MAX_RESTARTS=50 sbatch ...
 MAX_RESTARTS=${MAX_RESTARTS:-10}
@@ -60,6 +63,9 @@ zerompi_run() {
 # --open-mode=append); the next run resumes from the run dir's newest checkpoint.
 zerompi_requeue_or_exit() {
     local rc=$1 restart=${SLURM_RESTART_COUNT:-0}
+    if [ "$rc" -eq "$ZEROMPI_LOST_EXIT" ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+        zerompi_await_node_verdict
+    fi
     if [ "$rc" -eq "$ZEROMPI_REQUEUE_EXIT" ]; then
         if [ "$restart" -ge "$MAX_RESTARTS" ]; then
             zerompi_log "not requeueing: already restarted $restart times (MAX_RESTARTS=$MAX_RESTARTS)"
@@ -74,4 +80,22 @@ zerompi_requeue_or_exit() {
                     "resubmit to continue from the checkpoint"
     fi
     exit "$rc"
+}
+
+# zerompi_await_node_verdict: the ranks ended because peers stopped answering (exit 3). If
+# a node of this job died, Slurm declares it down after SlurmdTimeout and, the job being
+# --requeue, requeues it on the nodes left (this shell is then killed): keep the
+# allocation until then, instead of ending as FAILED a moment before. If no node goes
+# down within SlurmdTimeout + 30 s (LOST_NODE_WAIT), the ranks hung on live nodes: exit 3,
+# since a requeue would only repeat the hang.
+zerompi_await_node_verdict() {
+    local wait=${LOST_NODE_WAIT:-}
+    if [ -z "$wait" ]; then
+        wait=$(scontrol show config 2>/dev/null | awk '$1 == "SlurmdTimeout" {print $3 + 30}')
+        wait=${wait:-330}
+    fi
+    zerompi_log "ranks stopped answering (exit $ZEROMPI_LOST_EXIT, the watchdog line above names them):" \
+                "waiting up to ${wait} s for Slurm to declare a node down and requeue this job"
+    sleep "$wait"
+    zerompi_log "no node of this job went down: the ranks hung on live nodes; not requeueing"
 }

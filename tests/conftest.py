@@ -5,7 +5,8 @@ jobs, system/ drives the command lines, Slurm, the installer and failures end to
 The collection hook turns that, and what a test uses, into the markers of pytest.ini:
   mpi     multirank/, `result` (batched cases), or a module that imports a launcher of
           support/mpirun.py (a test file outside the tiers, too)
-  slurm   the `slurm_cluster` fixture;  system: system/;  gpu: the `cuda` fixture
+  slurm   the `slurm_cluster` or `net_slurm` fixture
+  system  system/, or the simulated nodes of `net_nodes`;  gpu: the `cuda` fixture
 `bash tests/run.sh --quick` runs what has none of mpi, slurm, system.
 """
 import sys
@@ -20,7 +21,7 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS / "support")]
 
 TIER_MARKS = {"multirank": ("mpi",), "system": ("system",)}
 FIXTURE_MARKS = {"result": ("mpi",), "ckpt_base": ("mpi",), "slurm_cluster": ("slurm", "system"),
-                 "cuda": ("gpu",)}
+                 "net_nodes": ("system",), "net_slurm": ("slurm", "system"), "cuda": ("gpu",)}
 LAUNCHERS = ("run_mpi", "run_worker", "launch", "running_job", "train_job")
 
 
@@ -103,3 +104,29 @@ def ckpt_base(tmp_path_factory):
     from checkpoint_cases import base_checkpoints
 
     return base_checkpoints(tmp_path_factory.mktemp("base"))
+
+
+@pytest.fixture(scope="session")
+def net_nodes():
+    """Two simulated nodes (tests/support/netcluster.py), unshaped until a test shapes them.
+    Skips with the reason where it cannot run (not root, no `ip netns`)."""
+    from netcluster import NetCluster, available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(why)
+    with NetCluster(nodes=2, rate_mbit=None) as net:
+        yield net
+
+
+@pytest.fixture(scope="session")
+def net_slurm(net_nodes):
+    """Slurm across net_nodes (tests/support/netslurm.py): one slurmctld, one slurmd per node."""
+    from netslurm import NetSlurm
+    from slurm_cluster import slurm_available
+
+    ok, why = slurm_available()
+    if not ok:
+        pytest.skip(why)
+    with NetSlurm(net_nodes) as cluster:
+        yield cluster

@@ -20,7 +20,7 @@ export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 if [ "$quick" = 1 ]; then
     exec python -m pytest -q -rs -m "not mpi and not slurm and not system" tests "$@"
 fi
-# System packages for the real-Slurm and h5ls/h5dump tests (they skip where these cannot
-# be installed, e.g. without root).
-bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools
+# System packages for the real-Slurm, h5ls/h5dump and simulated-node (ip, tc, nsenter)
+# tests (they skip where these cannot be installed, e.g. without root).
+bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools iproute2 util-linux
 exec python -m pytest -q -rs tests "$@"

@@ -28,7 +28,9 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, dims: 
     parameters not listed use the config's optimizer settings."""
     from .zero.engine import ZeroEngine
 
-    return ZeroEngine(model, load_config(config), dims=dims, param_groups=param_groups)
+    # A DeepSpeed config's batch arithmetic is over the data-parallel ranks.
+    cfg = load_config(config, dp_size=dims.dp_size if dims is not None else None)
+    return ZeroEngine(model, cfg, dims=dims, param_groups=param_groups)
 
 
 _SUBMODULES = ("optim", "zero", "parallel", "checkpoint", "comm", "device", "precision", "data")

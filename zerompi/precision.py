@@ -9,12 +9,11 @@ ranks skip the same steps and keep the same scale.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from .config import LossScaleConfig
 from .runtime import JobError
+from .runtime.console import say
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,10 +47,9 @@ class NonFinitePolicy:
             self.streak = 0
             return
         self.streak += 1
-        if self.rank == 0:
-            what = (f"fp16 overflow, loss scale {scale:g} -> {new_scale:g}" if self.precision == "fp16"
-                    else f"non-finite gradient norm ({self.streak} in a row)")
-            print(f"zerompi: step {step}: {what}: update skipped", file=sys.stderr, flush=True)
+        what = (f"fp16 overflow, loss scale {scale:g} -> {new_scale:g}" if self.precision == "fp16"
+                else f"non-finite gradient norm ({self.streak} in a row)")
+        say(f"step {step}: {what}: update skipped", rank=self.rank)
         if self.precision != "fp16" and self.max and self.streak >= self.max:
             raise Diverged(f"step {step}: {self.streak} steps in a row with a non-finite loss or gradient "
                            f"({self.precision}): training has diverged (zero.max_nonfinite_steps = "

@@ -21,7 +21,8 @@ checkpoint, so re-running the same command is always safe.
 Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs), or a resume
-         or data set that does not fit (docs/reliability.md)
+         or data set that does not fit (docs/reliability.md), or nodes that hold different
+         numbers of ranks (parallel/nodes.py)
     124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue
          the job, as slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch
          shell, which relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -53,26 +53,18 @@ from .runtime import rundir, watchdog
 from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
 from .config import ConfigError, to_dict
 from .data import TokenSampler, default_corpus, split_tokens
-from .device import local_rank as node_local_rank
 from .data.check import CheckedSampler, open_agreed
+from .runtime.console import say
 from .runtime.fileio import atomic_write
 from .models.gpt import GPT
 from .optim import decay_groups
 from .parallel.dims import ParallelDims
+from .lr_schedule import lr_at, position
+from .parallel.nodes import discover as discover_nodes
 from .progress import Progress, batch_note, finish_message
 
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
-
-def lr_at(step: int, cfg) -> float:
-    """Linear warm-up to zero.optimizer.lr, then cosine down to min_lr."""
-    peak, warmup = cfg.zero.optimizer.lr, cfg.warmup_steps
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    end = cfg.lr_decay_steps or cfg.max_steps
-    if step >= end:
-        return cfg.min_lr
-    frac = (step - warmup) / max(1, end - warmup)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (peak - cfg.min_lr)
+PROG = "zerompi.train"
 
 
 def _rss_bytes() -> int:
@@ -128,9 +120,8 @@ def _agreed_config(argv: list[str]):
 
             try:
                 check_tp(cfg.model.gpt_config(), tp)
-            except ValueError as e:  # names the model field; the key as typed here
-                raise ValueError(str(e).replace("config key 'tensor_parallel_size'",
-                                                "config key 'zero.tensor_parallel_size'")) from None
+            except ConfigError as e:  # names the model field; the key as typed here
+                raise e.under("zero") from None
     except ValueError as e:
         error = e
     mine = to_dict(cfg) if cfg else None
@@ -138,10 +129,10 @@ def _agreed_config(argv: list[str]):
     if error is None and ref is not None and mine != ref:
         error = "this rank's config differs from rank 0's (same file and arguments everywhere?)"
     errors = runtime.agree(world, error)
-    if errors and world.rank == 0:  # one line for the whole job, naming the first rank that failed
+    if errors:  # one line for the whole job, naming the first rank that failed
         r, _, msg = errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        print(f"zerompi.train: error{f' on rank {r}' if r else ''}: {msg}{more}", file=sys.stderr, flush=True)
+        say(f"error{f' on rank {r}' if r else ''}: {msg}{more}", rank=world.rank, prog=PROG)
     return None if errors else cfg
 
 
@@ -176,7 +167,7 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
     return loss_total / rows_total
 
 
-@runtime.one_line_job_errors("zerompi.train")  # diverged, busy run_dir, resume that does not fit
+@runtime.one_line_job_errors(PROG)  # diverged, busy run_dir, resume that does not fit
 def main(argv: list[str] | None = None) -> int:
     # SIGUSR1/SIGTERM/SIGINT set a flag the loop acts on between steps, on every rank
     # together; a rank blocked in a collective is ended by the watchdog instead.
@@ -193,15 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     # ---------------------------------------------------------------- process grid
-    local_rank, local_ranks = node_local_rank(runtime.init())
+    # sync: which ranks share a node; an uneven layout ends the job here (one line, exit 2)
+    nodes = discover_nodes(runtime.init())
+    local_rank, local_ranks = nodes.local_rank, nodes.per_node
     device = torch.device("cpu")
     if cfg.device == "cuda":  # visible on every rank: checked with the config
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     # sync: communicators for where the tensors live (NCCL / device MPI on GPUs)
-    dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None)
+    dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None, nodes=nodes)
     threads = cfg.threads or _threads_per_rank(local_ranks)
     torch.set_num_threads(threads)
+    if dims.rank == 0:
+        print(f"zerompi.train: {nodes.describe()}: {nodes.listing()}", flush=True)
 
     # ---------------------------------------------------------------- data
     if cfg.data == "default":
@@ -248,23 +243,26 @@ def main(argv: list[str] | None = None) -> int:
     check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
                         {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
     start_step = int(client["step"]) if client else 0
+    def info(line: str) -> None:
+        say(line, rank=dims.rank, prog=PROG, err=False)
+
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step)
-        print(f"zerompi.train: {n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
-              f"{dims.world.size} ranks x {threads} threads"
-              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
-              + f", ZeRO stage {cfg.zero.stage} "
-              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-              f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens", flush=True)
-        print(f"zerompi.train: run_dir {run_dir}; "
-              + (f"resumed at step {start_step}" if start_step else "starting at step 0")
-              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
-                 "GFLOP/s per rank (set peak_flops)"), flush=True)
+        info(f"{n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
+             f"{dims.world.size} ranks x {threads} threads"
+             + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
+             + f", ZeRO stage {cfg.zero.stage} "
+             f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
+             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
+        info(f"run_dir {run_dir}; "
+             + (f"resumed at step {start_step}" if start_step else "starting at step 0")
+             + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
+                "GFLOP/s per rank (set peak_flops)"))
         note = batch_note(B, G, dims.dp_size)
         if note:
-            print(f"zerompi.train: {note}", flush=True)
+            info(note)
     dims.world.barrier()  # sync: run_dir exists before anyone writes to it
     progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
 
@@ -272,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.train()
     t_start = time.perf_counter()
     for step in range(start_step, cfg.max_steps):
-        lr = lr_at(step, cfg)
+        lr = lr_at(position(cfg, step, engine.global_steps), cfg)  # deepspeed_*: applied updates
         for group in engine.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
@@ -318,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
-                if dims.rank == 0:
-                    print(f"zerompi.train: step {done} was not finite: no checkpoint", file=sys.stderr, flush=True)
+                say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
             else:
                 save(engine, ckpt_dir, cfg, done, data_state, model_state(gpt_cfg))  # sync: collective
         if sig and not last:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import WORKERS, mpi_env, shm_cleanup
+from mpirun import WORKERS, launch_cap, mpi_env, shm_cleanup
 
 STARTUP_S = 180.0  # before the first case starts: mpiexec, MPI_Init, imports on a loaded machine
 # Launch-wide environment: transformers' logging level is read once, at import.
@@ -200,7 +200,11 @@ class Batches:
         with shm_cleanup(), open(log, "w") as out:
             p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=mpi_env(self.env, cmd),
                                  start_new_session=True)
-            timed_out = self._watch(p, progress, [self.timeouts[c] for c in cases])
+            try:  # an interrupt of pytest misses the launch (a session of its own): end it too
+                timed_out = self._watch(p, progress, [launch_cap(self.timeouts[c]) for c in cases])
+            except BaseException:
+                _kill(p)
+                raise
         started, ended = _read_progress(progress)
         text = log.read_text(errors="replace")
         for i, c in enumerate(cases):

@@ -85,10 +85,20 @@ def shm_cleanup():
         clean_dead_shm(str(SHM), min_age_s=0.0, only=_shm_segments() - before)
 
 
+def launch_cap(timeout: float) -> float:
+    """`timeout`, lowered to $ZEROMPI_TEST_LAUNCH_CAP seconds when that is set (a run
+    under a hard time budget, benchmarks/gpu_acceptance.sh, caps every launch)."""
+    cap = os.environ.get("ZEROMPI_TEST_LAUNCH_CAP")
+    return min(timeout, float(cap)) if cap else timeout
+
+
 def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
            stderr_apart: bool = False) -> subprocess.CompletedProcess:
     """Run CMD in its own process group with the test environment; on timeout kill the
-    whole group and fail the test. stdout and stderr are merged unless stderr_apart."""
+    whole group and fail the test. stdout and stderr are merged unless stderr_apart.
+    An interrupt (Ctrl-C, or SIGINT from `timeout -s INT` around pytest) kills the
+    group too: it is a session of its own, so the signal never reaches it."""
+    timeout = launch_cap(timeout)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT, text=True,
                          env=mpi_env(env, cmd), start_new_session=True)
@@ -99,6 +109,10 @@ def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         pytest.fail(f"timeout after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}\n{(err or '')[-2000:]}")
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
     res = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     res.elapsed = time.monotonic() - t0
     return res

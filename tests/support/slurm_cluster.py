@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from slurm_conf import cluster_env, munge_dir, real_memory_mb, slurm_conf
+from slurm_conf import cluster_env, munge_dir, node_names, real_memory_mb, slurm_conf
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
@@ -122,6 +122,7 @@ class SlurmCluster:
         self.cred_expire = cred_expire
         self.startup_timeout = startup_timeout
         self.node = _short_hostname()
+        self.ctld_addr, self.node_addrs, self.slurmd_timeout = "127.0.0.1", None, 300  # netslurm.py: others
         # Unique tag put in every daemon's and job's environment, so teardown
         # can find stray slurmstepd/task processes of *this* cluster by PID.
         self.tag = secrets.token_hex(8)
@@ -148,11 +149,12 @@ class SlurmCluster:
             self.slurmd_port = _free_port()
 
         conf = slurm_conf(w=w, node=self.node, cpus=self.cpus, real_memory_mb=real_memory_mb(),
-                          ctld_port=self.ctld_port, slurmd_port=self.slurmd_port,
-                          munge_socket=self.munge_socket, cred_expire=self.cred_expire,
-                          first_job_id=self.first_job_id)
+                          ctld_port=self.ctld_port, slurmd_port=self.slurmd_port, munge_socket=self.munge_socket,
+                          cred_expire=self.cred_expire, first_job_id=self.first_job_id, ctld_addr=self.ctld_addr,
+                          nodes=self.node_addrs, slurmd_timeout=self.slurmd_timeout)
         self.conf.write_text(conf)
-        (w / "spool" / self.node).mkdir(exist_ok=True)
+        for node in node_names(self.node, self.node_addrs):
+            (w / "spool" / node).mkdir(exist_ok=True)
 
         self.env = cluster_env(self.conf, self.tag)
 
@@ -206,8 +208,11 @@ class SlurmCluster:
             self._spawn("slurmctld", [_find("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf)])
             self._wait_until("slurmctld", lambda: "UP" in self.scontrol("ping", check=False).stdout,
                              self.startup_timeout)
-            self._spawn("slurmd", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-            self._wait_until("node idle", lambda: self._node_state() == "idle", self.startup_timeout)
+            nodes = node_names(self.node, self.node_addrs)  # one slurmd each (tests/support/netslurm.py: several)
+            for node in nodes:
+                self._spawn(f"slurmd-{node}", [_find("slurmd"), "-D", "-f", str(self.conf), "-N", node])
+            self._wait_until("nodes idle", lambda: all(self._node_state(n) == "idle" for n in nodes),
+                             self.startup_timeout)
         except BaseException:
             self.stop()
             raise
@@ -230,8 +235,8 @@ class SlurmCluster:
     def scontrol(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         return self.run(["scontrol", *args], check=check, timeout=timeout)
 
-    def _node_state(self) -> str:
-        r = self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], check=False, timeout=10)
+    def _node_state(self, node: str | None = None) -> str:
+        r = self.run(["sinfo", "-h", "-N", "-n", node or self.node, "-o", "%T"], check=False, timeout=10)
         return r.stdout.strip().rstrip("*~#$@+")
 
     def sbatch(self, script: str | os.PathLike, *args: str, options=(), cwd=None,
@@ -351,7 +356,7 @@ class SlurmCluster:
                 self.cancel_all()
         except Exception:
             pass  # teardown must go on
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [n for n in self._procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             p = self._procs.get(name)
             if p is not None:
                 self._terminate(p, grace=10)

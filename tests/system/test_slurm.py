@@ -1,5 +1,5 @@
 """MPI jobs under a real Slurm: a private one-node cluster on 127.0.0.1 (conftest's
-`slurm_cluster`, built by tests/slurm_cluster.py). Needs root and .ci/install_debian.sh;
+`slurm_cluster`, built by tests/support/slurm_cluster.py). Needs root and .ci/install_debian.sh;
 skipped otherwise. The templates in slurm/ are tested in test_slurm_templates.py.
 
 Launch rules these tests pin down (pip MPICH + Slurm 22.05):

@@ -35,14 +35,14 @@ def test_config_validates_and_loads_from_toml_and_overrides():
 
 
 def test_deepspeed_activation_checkpointing_maps_onto_ours():
-    zero, _, ignored = translate({"activation_checkpointing": {
+    t = translate({"activation_checkpointing": {
         "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": False,
         "number_checkpoints": 4, "synchronize_checkpoint_boundary": False}}, world_size=1)
-    assert zero["activation_checkpointing"] == {"enabled": True, "partition": True, "cpu_offload": True,
-                                                "contiguous": False}
-    assert ignored == ["activation_checkpointing.number_checkpoints"]
-    zero, _, ignored = translate({"activation_checkpointing": {"partition_activations": False}}, world_size=1)
-    assert "activation_checkpointing" not in zero and ignored == []
+    assert t.zero["activation_checkpointing"] == {"enabled": True, "partition": True, "cpu_offload": True,
+                                                  "contiguous": False}
+    assert t.ignored == ["activation_checkpointing.number_checkpoints"]
+    t = translate({"activation_checkpointing": {"partition_activations": False}}, world_size=1)
+    assert "activation_checkpointing" not in t.zero and t.ignored == []
     # our own table is not mistaken for a DeepSpeed config
     assert zerompi.load_config({"activation_checkpointing": {"enabled": True}}).activation_checkpointing.enabled
 

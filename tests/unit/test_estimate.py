@@ -41,7 +41,7 @@ def test_paper_rounding():
 
 
 def _expected(stage, precision, gdt, T, N):
-    """tests/test_accounting.py's expected(), restated (that module needs MPI helpers)."""
+    """tests/multirank/test_accounting.py's expected(), restated (that module needs MPI helpers)."""
     p = 4 if precision == "fp32" else 2
     g = 4 if (gdt == "fp32" or precision == "fp32") else 2
     k = 8 if precision == "fp32" else 12

@@ -7,13 +7,8 @@ import sys
 import pytest
 import torch
 
+from gpu_backend import nccl_skip_reason
 from mpirun import mpi_env
-
-
-def _nccl_missing():
-    from zerompi.comm.nccl import unavailable
-
-    return unavailable("cuda")
 
 
 def test_nccl_module_imports_without_cupy():
@@ -40,7 +35,7 @@ def test_nccl_dtype_map_matches_cupy():
 
 
 def test_nccl_where_it_cannot_run_is_a_config_error():
-    why = _nccl_missing()
+    why = nccl_skip_reason()
     if why is None:
         pytest.skip("NCCL can run here")
     import zerompi.comm
@@ -54,3 +49,18 @@ def test_unavailable_nccl_backend_is_a_clear_config_error():
 
     with pytest.raises(ValueError, match="config key 'comm.backend' = 'nccl'"):
         zerompi.comm.create(backend="nccl")
+
+
+def test_staged_communicator_stages_every_tensor_collective():
+    """Each collective of the protocol that takes tensors (what the engine, checkpoints
+    and export call) is StagedMPICommunicator's own: the inherited MPI one refuses
+    device tensors when MPI is not CUDA-aware (stage 3's full_state_dict gathers)."""
+    import inspect
+
+    from zerompi.comm.base import Communicator
+    from zerompi.comm.staged import StagedMPICommunicator
+
+    takes_tensors = [name for name, f in vars(Communicator).items() if inspect.isfunction(f)
+                     and {"t", "send", "recv"} & set(inspect.signature(f).parameters)]
+    assert {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "gather"} <= set(takes_tensors)
+    assert [n for n in takes_tensors if n not in vars(StagedMPICommunicator)] == []

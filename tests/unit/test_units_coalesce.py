@@ -1,8 +1,8 @@
 """Stage-3 unit coalescing in the planner (zerompi/zero/units.py), no MPI: consecutive
 sibling units below stage3.coalesce_elements merge into one multi-root unit; nothing
 else about the plan changes. The engine-side behaviour (gather at the first root,
-release after the last, data-dependent roots) is checked by tests/test_parity.py and
-tests/test_stage3_models.py with --coalesce."""
+release after the last, data-dependent roots) is checked by tests/multirank/test_parity.py and
+tests/multirank/test_stage3_models.py with --coalesce."""
 from __future__ import annotations
 
 import pytest

@@ -92,6 +92,14 @@ for slot in SLOTS:
             got = d(x.clone())
             sc.all_reduce(got)
             same(got, want, f"all_reduce ordered {what}")
+            # gather to the last rank: recv exists there only
+            last = rank == N - 1
+            want = torch.empty(N * n, dtype=dt) if last else None
+            ref.gather(x[:n], want, root=N - 1)
+            got = d(torch.empty(N * n, dtype=dt)) if last else None
+            sc.gather(d(x[:n]), got, root=N - 1)
+            if last:
+                same(got, want, f"gather {what}")
             # broadcast from the last rank
             want = x.clone()
             ref.broadcast(want, root=N - 1)
@@ -123,7 +131,7 @@ for slot in SLOTS:
         except TypeError as e:
             assert "cannot reduce" in str(e)
 done += ["all_gather", "all_gather_inplace", "all_to_all", "reduce_scatter_ordered", "all_reduce_ordered",
-         "broadcast", "reduce_scatter_native", "all_reduce_native", "all_reduce_max"]
+         "gather", "broadcast", "reduce_scatter_native", "all_reduce_native", "all_reduce_max"]
 
 # ---------------------------------------------------------------- the pipeline's order
 if N > 1:
@@ -144,6 +152,12 @@ if N > 1:
     assert k >= 3, k
     details["pipeline"] = {"chunks": k, "chunk_elements": m, "trace": sc.stager.trace[:6]}
     done.append("double_buffer_order")
+
+    # gather goes through the slots too (the unstaged one refuses device tensors)
+    sc.stager.trace = []
+    sc.gather(x, out if rank == 0 else None, root=0)
+    assert [t for t in sc.stager.trace if t[0] == "mpi"] == [("mpi", i, i % 2) for i in range(k)], sc.stager.trace
+    done.append("gather_staged")
 
     # stats: the same conventions as the unstaged communicator
     sc, st = staged(48), MPICommunicator()

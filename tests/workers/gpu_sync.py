@@ -2,11 +2,12 @@
 
 Writes (rank 0) per stage the counts of cudaDeviceSynchronize and of stream/event
 synchronisations the CUDA runtime saw during one engine forward/backward/step (after
-two warm-up steps), as recorded by torch.profiler. Python-level device-wide
-synchronises (torch.cuda.synchronize, cupy's Device.synchronize) raise while the step runs."""
+two warm-up steps), as recorded by torch.profiler inside a record_function range around
+the step (sync_count.py: the profiler's own synchronise at exit is not counted).
+Python-level device-wide synchronises (torch.cuda.synchronize, cupy's
+runtime.deviceSynchronize) raise while the step runs."""
 import argparse
 import json
-from collections import Counter
 
 import torch
 from mpi4py import MPI
@@ -14,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import zerompi
 from common import global_batch, make_model, micro_slices, vocab_of
+from sync_count import profiled
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
@@ -25,25 +27,6 @@ world = MPI.COMM_WORLD
 rank, N = world.rank, world.size
 dev = torch.device("cuda", rank % torch.cuda.device_count())
 torch.cuda.set_device(dev)
-
-
-def forbidden(*_, **__):
-    raise AssertionError("device-wide synchronise inside a training step")
-
-
-def patch():
-    saved = [(torch.cuda, "synchronize", torch.cuda.synchronize)]
-    torch.cuda.synchronize = forbidden
-    try:
-        import cupy
-
-        saved.append((cupy.cuda.Device, "synchronize", cupy.cuda.Device.synchronize))
-        cupy.cuda.Device.synchronize = forbidden
-        saved.append((cupy.cuda.runtime, "deviceSynchronize", cupy.cuda.runtime.deviceSynchronize))
-        cupy.cuda.runtime.deviceSynchronize = forbidden
-    except ImportError:
-        pass
-    return saved
 
 
 def one_step(engine, step, gas):
@@ -62,18 +45,11 @@ for stage in map(int, a.stages.split(",")):
     for s in range(2):
         one_step(engine, s, 2)
     torch.cuda.current_stream().synchronize()  # outside the measured step
-    saved = patch()
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            one_step(engine, 2, 2)
-    finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
-    names = Counter(e.name for e in prof.events())
-    syncs = {k: v for k, v in names.items() if "Synchronize" in k}
-    result[f"stage{stage}"] = {"syncs": syncs, "device_syncs": names.get("cudaDeviceSynchronize", 0),
-                               "optimizer": type(engine.optimizer).__name__,
+    counts = profiled(lambda: one_step(engine, 2, 2),
+                      lambda: profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]))
+    result[f"stage{stage}"] = {**counts, "optimizer": type(engine.optimizer).__name__,
                                "backend": type(engine.comm).__name__}
+    del engine, model
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

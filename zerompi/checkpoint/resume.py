@@ -19,13 +19,13 @@
 from __future__ import annotations
 
 import os
-import sys
 
 from .. import runtime
 from ..runtime import JobError
 from . import directory as dirs
 from . import format as fmt
 from .format import CheckpointError
+from ..runtime.console import say
 
 HYPER = ("betas", "eps", "weight_decay")
 
@@ -35,8 +35,7 @@ class ResumeError(JobError):
 
 
 def _say(world, msg: str) -> None:
-    if world.rank == 0:
-        print(f"zerompi: {msg}", file=sys.stderr, flush=True)
+    say(msg, rank=world.rank)
 
 
 def _candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
@@ -149,7 +148,8 @@ def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
 
 
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")
-SCHEDULE = ("max_steps", "warmup_steps", "lr_decay_steps", "min_lr", "zero.optimizer.lr")
+SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
+            "zero.optimizer.lr")
 DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
 
 

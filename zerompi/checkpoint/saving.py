@@ -1,7 +1,8 @@
 """Collective, atomic save (all ranks call it together).
 
 1. every rank validates its arguments; the ranks agree on errors (no rank proceeds alone);
-2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name;
+2. rank 0 creates DIR/.tmp-TAG-<random> and broadcasts its name; at the first save of a
+   multi-node job, every node must see it (shared.py: else one message, nothing left);
 3. each rank writes rank-XXXXX.h5, checksumming its bytes from memory as they are
    written (writer._stream: CRC-32 per 64 MiB block, as format.digest_file computes),
    and fsyncs it;
@@ -35,6 +36,7 @@ from ..runtime.fileio import atomic_write
 from . import directory as dirs
 from . import format as fmt
 from .index import write_index
+from .shared import check_once as check_shared_once
 from .verify import check_coverage
 from .writer import model_tensors, rank_file_bytes, write_rank_file
 
@@ -124,6 +126,7 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     fmt.raise_agreed(comm, err, f"save_checkpoint to {os.path.join(directory, tag)}")
     tmp, tag = comm.bcast_object((tmp, tag))  # rank 0's tag, should the ranks differ
     target = os.path.join(directory, tag)
+    check_shared_once(engine.dims, directory, tmp)  # first save of a multi-node job: all nodes see it
 
     lowp = fmt.lowp_kind(engine.config.precision)
     info, err = None, None

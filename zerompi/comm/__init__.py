@@ -13,8 +13,8 @@ What each backend does (GPU paths are built but have NOT run on a GPU yet: issue
   StagedMPICommunicator (staged.py) moves them through two constant-size pinned host
   slots, double-buffered, copies on a side stream. Staged calls complete before they
   return. The chunk pipeline is tested on CPU (tests/multirank/test_comm_gpu.py); the CUDA copier
-  and the CUDA-aware path are unverified. gather() of CUDA tensors is refused unless
-  MPI is CUDA-aware.
+  and the CUDA-aware path are unverified. Every tensor collective is staged, gather()
+  (stage 3's full_state_dict) included.
 - nccl (NCCLCommunicator, nccl.py): CUDA tensors over cupy.cuda.nccl, one GPU per rank;
   own stream ordered by events, async handles whose wait(timeout) aborts the NCCL
   communicator at the deadline; 'ordered' reduce-scatter as all-to-all (grouped
@@ -35,24 +35,18 @@ import socket
 
 import torch
 
+from ..config.errors import ConfigError
 from .base import CommStats, CommTimeout, Communicator, DoneHandle, Handle
 from .mpi import MPICommunicator
 
 
-def _config_error(why: str) -> ValueError:
-    return ValueError(f"config key 'comm.backend' = 'nccl': {why}; use 'mpi' or 'auto'")
+def _config_error(why: str) -> ConfigError:
+    return ConfigError("comm.backend", "nccl", f"{why}; use 'mpi' or 'auto'")
 
 
 def _gpu_key(dev: torch.device) -> str:
     props = torch.cuda.get_device_properties(dev)
     return f"{socket.gethostname()}/{getattr(props, 'uuid', dev.index)}"
-
-
-def carries_gpu_tensors(c) -> bool:
-    """True when communicator `c` can move CUDA tensors (NCCL, CUDA-aware MPI, or MPI
-    staged through pinned host memory for a GPU)."""
-    return (getattr(c, "backend", None) == "nccl" or getattr(c, "device_buffers", False)
-            or getattr(getattr(c, "device", None), "type", None) == "cuda")
 
 
 def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", device=None):
@@ -62,7 +56,7 @@ def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", d
     from . import nccl
 
     if backend not in ("auto", "mpi", "nccl"):
-        raise ValueError(f"config key 'comm.backend' = {backend!r}: must be one of auto, mpi, nccl")
+        raise ConfigError("comm.backend", backend, "must be one of auto, mpi, nccl")
     dev = None if device is None else torch.device(device)
     if dev is not None and dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -94,4 +88,4 @@ def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", d
     return MPICommunicator(world, reduce_scatter=reduce_scatter)
 
 
-__all__ = ["CommStats", "CommTimeout", "Communicator", "Handle", "DoneHandle", "MPICommunicator", "carries_gpu_tensors", "create"]
+__all__ = ["CommStats", "CommTimeout", "Communicator", "Handle", "DoneHandle", "MPICommunicator", "create"]

@@ -15,14 +15,37 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from ..runtime.watchdog import waiting
 
 
+# Chains in flight (chain.py): collectives of several steps whose next step starts only
+# when this process polls. A peer may wait on a step this rank has yet to start, so every
+# wait below polls them instead of blocking inside MPI while any exists.
+ACTIVE_CHAINS: list = []
+_progressing = False
+
+
+def progress_chains() -> bool:
+    """Advance every chain in flight as far as it goes without blocking; True if any
+    step completed or started. Not re-entrant (a step's own wait may poll)."""
+    global _progressing
+    if _progressing or not ACTIVE_CHAINS:
+        return False
+    _progressing = True
+    try:
+        moved = False
+        for c in list(ACTIVE_CHAINS):
+            moved = c.advance() or moved
+        return moved
+    finally:
+        _progressing = False
+
+
 class CommTimeout(RuntimeError):
     """A collective did not complete by its deadline (a peer is stuck or gone)."""
 
 
 @runtime_checkable
 class Communicator(Protocol):
-    """What ZeRO needs from a process group. Implemented by MPICommunicator (mpi.py);
-    an NCCL communicator implements the same calls next (issue 11).
+    """What ZeRO needs from a process group. Implemented by MPICommunicator (mpi.py),
+    StagedMPICommunicator (staged.py) and NCCLCommunicator (nccl.py).
 
     Tensors are 1-D contiguous buffers; `send`/`recv` sizes follow the usual collective
     contracts (reduce_scatter: send N*n -> recv n; all_gather: send n -> recv N*n;
@@ -33,6 +56,7 @@ class Communicator(Protocol):
     backend: str
     rank: int
     size: int
+    carries_gpu_tensors: bool   # moves CUDA tensors (NCCL, CUDA-aware or staged MPI)
 
     def all_reduce(self, t, op: str = "sum", async_op: bool = False, scratch=None) -> "Handle | None": ...
     def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False,
@@ -42,7 +66,16 @@ class Communicator(Protocol):
     def broadcast(self, t, root: int = 0) -> None: ...
     def gather(self, send, recv, root: int = 0) -> None: ...
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]: ...
-    def split(self, color: int, key: int | None = None) -> "Communicator": ...
+    def split(self, color: int, key: int | None = None,
+              counted_with: "Communicator | None" = None) -> "Communicator":
+        """MPI_Comm_split (collective); counted_with: count the new group's traffic in
+        that communicator's stats (e.g. the data-parallel group's comm_stats())."""
+    def duplicate(self) -> "Communicator":
+        """A private communicator over the same ranks whose traffic counts in this one's
+        stats (collective): its messages never match this one's."""
+    def set_idle(self, fn: "Callable[[], None] | None") -> None:
+        """`fn` runs while a wait on this communicator polls (stage 3 answers its
+        agreement rounds there: a peer may need this rank before it can complete)."""
     def barrier(self, poll: bool = False) -> None: ...
     def bcast_object(self, obj: Any, root: int = 0) -> Any: ...
     def allgather_object(self, obj: Any) -> list: ...
@@ -100,18 +133,24 @@ class Handle:
             return
         t0 = time.perf_counter()
         with waiting(self._op):  # the watchdog's deadline covers every wait
-            if timeout is None and self._idle is None:
+            if timeout is None and self._idle is None and not ACTIVE_CHAINS:
                 self._wait_fn()
             else:
                 pause = 1e-5
                 while not self._test_fn():
+                    moved = progress_chains()
                     if self._idle is not None:
                         self._idle()
                     if timeout is not None and time.perf_counter() - t0 > timeout:
                         raise CommTimeout(f"{self._op}: not complete after {timeout:g} s (a peer rank "
                                           "is stuck, gone, or issued a different collective)")
+                    if moved:
+                        pause = 1e-5
+                        continue
                     time.sleep(pause)
-                    pause = min(2 * pause, 1e-2)  # back off: short waits stay fast
+                    # back off: short waits stay fast; while chains run, a peer's next step
+                    # may be ours to start, so never sleep long
+                    pause = min(2 * pause, 2e-4 if ACTIVE_CHAINS else 1e-2)
             if self._finish is not None:
                 self._finish()
         self.done = True

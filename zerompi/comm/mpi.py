@@ -89,7 +89,7 @@ class MPICommunicator:
     backend = "mpi"
 
     def __init__(self, comm: Any = None, reduce_scatter: str = "ordered", _dup: bool = True,
-                 device_buffers: bool = False):
+                 device_buffers: bool = False, stats: CommStats | None = None):
         MPI = _mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         # A private duplicate keeps our traffic apart from the user's own messages.
@@ -97,16 +97,23 @@ class MPICommunicator:
             self.comm = comm.Dup() if _dup else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        # Called while a wait on this communicator polls: stage 3 answers its agreement
-        # rounds here (the engine sets it on the tp group), because a dp peer may need this
-        # rank in a round before it can reach the tp collective this rank waits for.
+        # Called while a wait on this communicator polls (set_idle): stage 3 answers its
+        # agreement rounds here (the engine sets it on the tp group), because a dp peer may
+        # need this rank in a round before it can reach the tp collective this rank waits for.
         self.idle = None
         if reduce_scatter not in ("ordered", "native"):
             raise ValueError(f"reduce_scatter algorithm {reduce_scatter!r}: ordered or native")
         self.algorithm = reduce_scatter
         # CUDA-aware MPI (device.cuda_aware_mpi()): CUDA tensors go to MPI directly
         self.device_buffers = device_buffers
-        self._stats = CommStats()
+        self._stats = CommStats() if stats is None else stats
+
+    @property
+    def carries_gpu_tensors(self) -> bool:
+        return self.device_buffers
+
+    def set_idle(self, fn) -> None:
+        self.idle = fn
 
     # ------------------------------------------------------------ helpers
     def _op(self, op: str):
@@ -272,10 +279,16 @@ class MPICommunicator:
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
 
-    def split(self, color: int, key: int | None = None) -> "MPICommunicator":
+    def split(self, color: int, key: int | None = None, counted_with=None) -> "MPICommunicator":
         with waiting("split"):
             sub = self.comm.Split(color, self.rank if key is None else key)
-        return self._from_split(sub)
+        c = self._from_split(sub)
+        if counted_with is not None:
+            c._stats = counted_with._stats  # a communicator of this package: same table
+        return c
+
+    def duplicate(self) -> "MPICommunicator":
+        return self.split(0, self.rank, counted_with=self)
 
     def _from_split(self, sub) -> "MPICommunicator":
         return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False,

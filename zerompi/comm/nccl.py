@@ -65,9 +65,13 @@ def unavailable(device: "torch.device | str | None" = None) -> str | None:
     try:
         nccl = _nccl()
     except ImportError as e:
-        return f"cupy is not installed ({e}; pip install cupy-cuda12x or cupy-cuda13x)"
+        return f"cupy is not installed ({e}; pip install -e .[cuda12] or .[cuda13], see README)"
+    except Exception as e:  # noqa: BLE001  a cupy that does not fit this CUDA fails otherwise
+        return f"cupy cannot be imported ({type(e).__name__}: {e})"
     if not getattr(nccl, "available", True):
-        return "cupy was built without NCCL (install nvidia-nccl-cu12 / -cu13)"
+        # CuPy >= 13 loads libnccl at import of cupy.cuda.nccl and sets available=False
+        # when that fails
+        return "cupy cannot load NCCL (install nvidia-nccl-cu12 / -cu13, the one of cupy's CUDA)"
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
@@ -112,10 +116,11 @@ class NCCLCommunicator:
         if why:
             raise RuntimeError(why)
         nccl = _nccl()
-        self.mpi = _mpi if _mpi is not None else MPICommunicator(comm, reduce_scatter, _dup=_dup)
+        self._stats = CommStats() if _mpi is None else _mpi._stats
+        # host tensors and objects go through this MPI twin, counted in the same table
+        self.mpi = _mpi if _mpi is not None else MPICommunicator(comm, reduce_scatter, _dup=_dup,
+                                                                  stats=self._stats)
         self.rank, self.size, self.algorithm = self.mpi.rank, self.mpi.size, self.mpi.algorithm
-        self._stats = CommStats()
-        self.mpi._stats = self._stats  # scalars and objects count in the same table
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)
         if self.device.index is None:
@@ -299,9 +304,18 @@ class NCCLCommunicator:
     def allgather_object(self, obj: Any) -> list:
         return self.mpi.allgather_object(obj)
 
-    def split(self, color: int, key: int | None = None) -> "NCCLCommunicator":
-        sub = self.mpi.split(color, key)  # collective over this group, like the NCCL init after it
+    carries_gpu_tensors = True
+
+    def set_idle(self, fn) -> None:
+        self.mpi.set_idle(fn)  # only host-side waits poll; NCCL work is on the stream
+
+    def split(self, color: int, key: int | None = None, counted_with=None) -> "NCCLCommunicator":
+        # collective over this group, like the NCCL init after it; the twin carries the table
+        sub = self.mpi.split(color, key, counted_with=counted_with)
         return NCCLCommunicator(reduce_scatter=self.algorithm, device=self.device, _mpi=sub)
+
+    def duplicate(self) -> "NCCLCommunicator":
+        return self.split(0, self.rank, counted_with=self)
 
     def stats(self) -> dict:
         return self._stats.as_dict()

@@ -20,7 +20,10 @@ memory (tests/workers/comm_staged.py). Staged collectives complete before they r
 progress thread. Results equal the unstaged MPICommunicator's: bitwise for data
 movement and the 'ordered' sum (all-to-all + rank-order sum on the device), within
 rounding for 'native' sums (MPI picks its algorithm by message size, and chunks are
-smaller messages). gather() is not staged: device tensors there get mpi.py's message.
+smaller messages). gather() (stage 3's full_state_dict, a set-up path) is
+staged the same way; every collective of the Communicator protocol that takes tensors
+is overridden here (tests/multirank/test_comm_gpu.py checks that none is left to mpi.py, which
+refuses device tensors).
 """
 from __future__ import annotations
 
@@ -155,6 +158,16 @@ def _chunks(n: int, m: int) -> int:
     return -(-n // m)
 
 
+def _flat(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """The chunking slices elements: callers also pass n-D tensors (frozen weights,
+    buffers), which MPI takes as they are."""
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: tensor must be contiguous")
+    return t.view(-1)
+
+
 class StagedMPICommunicator(MPICommunicator):
     """MPICommunicator whose collectives stage CUDA tensors through host slots; CPU
     tensors take the unstaged path unchanged. `stage_cpu=True` (tests) stages CPU
@@ -170,6 +183,10 @@ class StagedMPICommunicator(MPICommunicator):
                 else HostCopier()
         self.stager = Stager(copier, slot_bytes)
         self.stage_cpu = stage_cpu
+
+    @property
+    def carries_gpu_tensors(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
 
     def _from_split(self, sub) -> "StagedMPICommunicator":
         c = StagedMPICommunicator(sub, self.algorithm, _dup=False, device=self.device,
@@ -227,6 +244,7 @@ class StagedMPICommunicator(MPICommunicator):
     def all_to_all(self, send, recv, async_op: bool = False):
         if not self._staged(send, recv):
             return super().all_to_all(send, recv, async_op)
+        send, recv = _flat(send, "send"), _flat(recv, "recv")
         if send.numel() != recv.numel() or send.numel() % self.size:
             raise ValueError(f"all_to_all: send has {send.numel()} and recv {recv.numel()} elements; "
                              f"both must be the same multiple of {self.size}")
@@ -236,6 +254,7 @@ class StagedMPICommunicator(MPICommunicator):
     def all_gather(self, send, recv, async_op: bool = False):
         if not self._staged(send, recv):
             return super().all_gather(send, recv, async_op)
+        send, recv = _flat(send, "send"), _flat(recv, "recv")
         n = send.numel()
         if recv.numel() != n * self.size:
             raise ValueError(f"all_gather: recv has {recv.numel()} elements, expected {self.size} x {n}")
@@ -245,6 +264,7 @@ class StagedMPICommunicator(MPICommunicator):
     def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False, scratch=None):
         if not self._staged(send, recv):
             return super().reduce_scatter(send, recv, op, async_op, scratch)
+        send, recv = _flat(send, "send"), _flat(recv, "recv")
         N, n = self.size, recv.numel()
         if send.numel() != n * N:
             raise ValueError(f"reduce_scatter: send has {send.numel()} elements, expected {N} x {n}")
@@ -277,6 +297,7 @@ class StagedMPICommunicator(MPICommunicator):
     def all_reduce(self, t, op: str = "sum", async_op: bool = False, scratch=None):
         if not self._staged(t):
             return super().all_reduce(t, op, async_op, scratch)
+        t = _flat(t, "all_reduce")
         N, n = self.size, t.numel()
         self._stats.record("all_reduce", 2 * n, t.element_size())
         if op == "sum" and self.algorithm == "ordered" and n % N == 0 and n >= N:
@@ -302,9 +323,32 @@ class StagedMPICommunicator(MPICommunicator):
 
         return self._timed("all_reduce", lambda: self.stager.run(_chunks(n, m), plan), async_op)
 
+    def gather(self, send, recv, root: int = 0) -> None:
+        """recv (N*n, on `root` only; None elsewhere) = concatenation over ranks of send."""
+        if not self._staged(send, *([] if recv is None else [recv])):
+            return super().gather(send, recv, root)
+        send, recv = _flat(send, "send"), _flat(recv, "recv")
+        N, n, me = self.size, send.numel(), self.rank == root
+        if me and recv.numel() != n * N:
+            raise ValueError(f"gather: recv has {recv.numel()} elements, expected {N} x {n}")
+        self._stats.record("gather", n * N, send.element_size())
+        m = self.stager.chunk(N + 1, send.dtype)
+
+        def plan(k, s):
+            a, b = _span(n, m, k)
+            w = b - a
+            buf = self.stager.slot(s, send.dtype)
+            hs, hr = buf[:w], buf[m:m + N * w]
+            unpack = [(recv[q * n + a:q * n + b], hr[q * w:(q + 1) * w]) for q in range(N)] if me else []
+            return [(hs, send[a:b])], lambda: self._mpi_call("gather", lambda: self.comm.Gather(
+                _arr(hs, "gather"), _arr(hr, "gather") if me else None, root=root)), unpack
+
+        self._timed("gather", lambda: self.stager.run(_chunks(n, m), plan), False)
+
     def broadcast(self, t, root: int = 0) -> None:
         if not self._staged(t):
             return super().broadcast(t, root)
+        t = _flat(t, "broadcast")
         n = t.numel()
         self._stats.record("broadcast", n, t.element_size())
         m = self.stager.chunk(1, t.dtype)

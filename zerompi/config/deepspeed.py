@@ -1,49 +1,79 @@
-"""Read a DeepSpeed JSON config as a zerompi config (docs/migrating-from-deepspeed.md).
+"""Read a DeepSpeed JSON config as DeepSpeed means it (docs/migrating-from-deepspeed.md).
 
 `zerompi.initialize(model, "ds_config.json")` and `python -m zerompi.train
---deepspeed_config ds_config.json` accept the file a DeepSpeed user already has. Keys
-that map onto ours are translated; keys that only tune DeepSpeed's own machinery
-(logging, overlap knobs we always do, parameter offload) are named together in ONE warning and
-ignored; keys whose absence would change what is computed (another optimizer, an LR
-scheduler, a static loss scale, L2-style Adam) are errors, because silently training a
-different model is worse than stopping.
+--deepspeed_config ds_config.json` take the file a DeepSpeed user already has. Every key
+goes through the one table (deepspeed_keys.py): mapped, ignored (it does not change the
+trained model; named in one notice) or refused when switched on (a ConfigError naming
+the key as written). A key the table does not know is named (top level: DeepSpeed ignores
+those too) or refused (inside a block DeepSpeed validates). Keys that change the trained
+model (precision, optimizer, clipping, schedule, batch, loss scaling) take DeepSpeed's
+default when the file leaves them out; "auto" (the Hugging Face style) keeps the run's
+own setting. Tuning keys (stage, buckets, offload, stage-3 knobs) a file leaves out keep
+the run's setting: they do not change the result.
 """
 from __future__ import annotations
 
-import warnings
-from typing import Any, Mapping
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
+from .deepspeed_keys import ALIASES, BLOCKS, DS_VERSION, IGNORE, MAP, TABLE, lookup, switched_on
+from .deepspeed_values import AUTO, Values
+from .deepspeed_zero import map_zero
 from .errors import ConfigError
+from .zero import ZeroConfig
 
+ADAM = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names
+SCHEDULES = {"WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                          "last_batch_iteration"),
+             "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                                "warmup_type", "last_batch_iteration")}
+_REFUSED_SCHEDULES = {"WarmupDecayLR": "linear decay to 0 after the warm-up; zerompi's schedules decay by cosine "
+                      "or not at all, so it cannot be mapped exactly",
+                      "OneCycle": "cyclic lr and momentum are not implemented",
+                      "LRRangeTest": "an lr range test is not a training schedule"}
 # Top-level keys that mark a dict as a DeepSpeed config (none is a zerompi key; "fp16"
 # and "optimizer" are both, so they mark only in DeepSpeed's shape).
 _MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "bf16", "bfloat16",
-            "steps_per_print", "zero_allow_untested_optimizer", "amp", "scheduler")
-# DeepSpeed's activation_checkpointing keys ("activation_checkpointing" is a zerompi
-# table too: it marks a DeepSpeed config only with these inside).
-_AC_KEYS = {"partition_activations": "partition", "cpu_checkpointing": "cpu_offload",
-            "contiguous_memory_optimization": "contiguous"}
-_AC_IGNORED = {"number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
-
-# Ignored without changing the math: DeepSpeed's logging, profiling and engine knobs.
-_IGNORED_TOP = {"steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
-                "csv_monitor", "comet", "flops_profiler", "comms_logger", "zero_allow_untested_optimizer",
-                "zero_force_ds_cpu_optimizer", "memory_breakdown", "prescale_gradients",
-                "gradient_predivide_factor", "sparse_gradients", "communication_data_type_sparse",
-                "elasticity", "autotuning", "checkpoint", "aio", "compile", "seed"}
-# zero_optimization knobs that zerompi always has (value True) or that only tune DeepSpeed.
-_ZERO_ALWAYS = {"contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions"}
-_ZERO_IGNORED = {"allgather_bucket_size", "round_robin_gradients", "sub_group_size",
-                 "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                 "stage3_max_reuse_distance", "elastic_checkpoint", "load_from_fp32_weights",
-                 "ignore_unused_parameters", "legacy_stage1", "cpu_offload",
-                 "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
-                 "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
-                 "memory_efficient_linear", "stage3_module_granularity_threshold", "log_trace_cache_warnings"}
+            "steps_per_print", "zero_allow_untested_optimizer", "amp", "scheduler", "sequence_parallel_size")
+_AC_MARKERS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+               "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
 
 
 class DeepSpeedConfigWarning(UserWarning):
     """DeepSpeed config keys zerompi ignores (one warning names all of them)."""
+
+
+@dataclass
+class Translation:
+    zero: dict = field(default_factory=dict)     # ZeroConfig keys the file decides
+    trainer: dict = field(default_factory=dict)  # TrainConfig keys the file decides (batch, schedule)
+    ignored: list = field(default_factory=list)  # named in the one notice
+    unknown: list = field(default_factory=list)  # top-level keys the table does not know
+    auto: list = field(default_factory=list)     # "auto": the run's own setting
+    notes: list = field(default_factory=list)    # how a value was derived
+    batch: dict | None = None                    # the batch arithmetic, for the start-up line
+    schedule: str = "none"                       # none | auto | WarmupLR | WarmupCosineLR
+    optimizer: bool = False                      # the file has an optimizer block
+    lr_key: str = ""                             # the file's key the lr came from
+    lr_default: bool = False                     # ... which the file leaves out: DeepSpeed's default
+
+
+class Run:
+    """The run's own settings ("auto" keeps them), by TrainConfig-dotted key: --config
+    plus the command line (`cli`: the keys the command line set). Without `value`:
+    zerompi's ZeroConfig defaults (zerompi.initialize has nothing else)."""
+
+    def __init__(self, value: Callable[[str], Any] | None = None, cli: set | None = None):
+        self._value, self.cli = value, cli or set()
+
+    def __call__(self, key: str):
+        if self._value is not None:
+            return self._value(key)
+        v: Any = {"zero": dataclasses.asdict(ZeroConfig())}
+        for part in key.split("."):
+            v = v[part]
+        return v
 
 
 def looks_like_deepspeed(data: Any) -> bool:
@@ -51,245 +81,275 @@ def looks_like_deepspeed(data: Any) -> bool:
         return False  # zerompi's own top-level keys
     fp16, opt, ac = data.get("fp16"), data.get("optimizer"), data.get("activation_checkpointing")
     return (any(k in data for k in _MARKERS)
-            or (isinstance(ac, Mapping) and any(k in ac for k in (*_AC_KEYS, *_AC_IGNORED))) or (isinstance(fp16, Mapping) and "enabled" in fp16)
+            or (isinstance(ac, Mapping) and any(k in ac for k in _AC_MARKERS))
+            or (isinstance(fp16, Mapping) and "enabled" in fp16)
             or (isinstance(opt, Mapping) and ("type" in opt or "params" in opt)))
 
 
-def _noop(v) -> bool:
-    """A value that switches a DeepSpeed feature off: ignoring it changes nothing."""
-    return v in (False, None, 0, "none") or v == {} or (isinstance(v, Mapping) and v.get("enabled") is False)
-
-
-def _set(v) -> bool:
-    return v is not None and v != "auto"  # transformers' DeepSpeed integration writes "auto"
-
-
-def _int(key: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-        raise ConfigError(key, v, "expected an integer")
-    return int(v)
-
-
-def _precision(ds: Mapping, out: dict, ignored: list[str]) -> None:
-    bf16, fp16 = ds.get("bf16") or {}, ds.get("fp16") or {}
-    if "bfloat16" in ds:  # DeepSpeed's older spelling
-        bf16 = ds["bfloat16"] or {}
-    on = [name for name, blk in (("bf16", bf16), ("fp16", fp16)) if blk.get("enabled") is True]
-    if len(on) == 2:
-        raise ConfigError("bf16.enabled", True, "bf16 and fp16 are both enabled; choose one")
-    if ds.get("amp", {}).get("enabled"):
-        raise ConfigError("amp.enabled", True, "apex AMP is not supported; use bf16 or fp16 blocks")
-    out["precision"] = on[0] if on else "fp32"
-    if out["precision"] == "bf16":
-        ignored += [f"bf16.{k}" for k in bf16 if k != "enabled"]
-    if out["precision"] != "fp16":
-        return  # a disabled block's settings have no effect in DeepSpeed either
-    if fp16.get("loss_scale", 0):
-        raise ConfigError("fp16.loss_scale", fp16["loss_scale"],
-                          "a static loss scale is not supported (zerompi scales dynamically); "
-                          "remove it or set it to 0")
-    scale = {}
-    if _set(fp16.get("initial_scale_power")):
-        scale["initial_scale"] = 2.0 ** _int("fp16.initial_scale_power", fp16["initial_scale_power"])
-    for ds_key, ours in (("loss_scale_window", "window"), ("hysteresis", "hysteresis"),
-                         ("min_loss_scale", "min_scale")):
-        if _set(fp16.get(ds_key)):
-            scale[ours] = fp16[ds_key]
-    out["fp16"] = scale
-    ignored += [f"fp16.{k}" for k in fp16 if k not in ("enabled", "loss_scale", "initial_scale_power",
-                                                      "loss_scale_window", "hysteresis", "min_loss_scale")]
-
-
-def _optimizer(ds: Mapping, out: dict, ignored: list[str]) -> None:
-    opt = ds.get("optimizer")
-    if not opt:
-        return
-    kind = str(opt.get("type", "")).lower()
-    params = dict(opt.get("params") or {})
-    if kind not in ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"):
-        raise ConfigError("optimizer.type", opt.get("type"),
-                          "zerompi trains with AdamW only; Adam/AdamW configs are translated")
-    # DeepSpeed's "Adam" is decoupled AdamW unless adam_w_mode is false (L2 in the gradient).
-    if params.pop("adam_w_mode", True) is False and params.get("weight_decay", 0):
-        raise ConfigError("optimizer.params.adam_w_mode", False,
-                          "Adam with L2 weight decay is not AdamW; zerompi has AdamW only")
-    mapped = {}
-    for k in ("lr", "betas", "eps", "weight_decay"):
-        if _set(params.get(k)):
-            mapped[k] = params.pop(k)
+def _leaves(d: Mapping, prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        canon = ALIASES.get(key, key)
+        if key == "zero_optimization" and isinstance(v, bool):  # DeepSpeed's oldest form: true = stage 1
+            yield "zero_optimization.stage", int(v)
+        elif isinstance(v, Mapping) and (key in BLOCKS or canon in BLOCKS):
+            yield from _leaves(v, key + ".")
         else:
-            params.pop(k, None)
-    if params.pop("amsgrad", False):
-        raise ConfigError("optimizer.params.amsgrad", True, "AMSGrad is not supported")
-    ignored += [f"optimizer.params.{k}" for k in params]  # torch_adam, fused, bias_correction...
-    out["optimizer"] = mapped
+            yield key, v
 
 
-def _zero(ds: Mapping, out: dict, ignored: list[str]) -> None:
-    z = ds.get("zero_optimization") or {}
-    if _set(z.get("stage")):
-        out["stage"] = _int("zero_optimization.stage", z["stage"])
-    if _set(z.get("reduce_bucket_size")):
-        out["bucket_size"] = _int("zero_optimization.reduce_bucket_size", z["reduce_bucket_size"])
-    off = z.get("offload_optimizer")
-    if isinstance(off, Mapping) and off.get("device", "none") not in ("none", None):
-        if off["device"] != "cpu":  # nvme: the states would silently stay in memory
-            raise ConfigError("zero_optimization.offload_optimizer.device", off["device"],
-                              "zerompi offloads the optimizer to cpu only")
-        out["offload_optimizer"] = "cpu"
-        ignored += [f"zero_optimization.offload_optimizer.{k}" for k in off if k != "device"
-                    and not _noop(off[k])]  # pin_memory, buffer_count...: tuning only
-    s3 = {}
-    if _set(z.get("stage3_param_persistence_threshold")):
-        s3["persistence_threshold"] = _int("zero_optimization.stage3_param_persistence_threshold",
-                                           z["stage3_param_persistence_threshold"])
-    if _set(z.get("stage3_max_live_parameters")):
-        s3["max_live_parameters"] = _int("zero_optimization.stage3_max_live_parameters",
-                                         z["stage3_max_live_parameters"])
-    if _set(z.get("stage3_prefetch_bucket_size")):
-        # DeepSpeed prefetches by elements, zerompi by modules ahead (bounded by
-        # max_live_parameters): 0 means no prefetch in both; any other size -> 1 module.
-        n = _int("zero_optimization.stage3_prefetch_bucket_size", z["stage3_prefetch_bucket_size"])
-        s3["prefetch_modules"] = 0 if n == 0 else 1
-    if s3:
-        out["stage3"] = s3
-    for k, v in z.items():
-        if k in ("stage", "reduce_bucket_size", "stage3_param_persistence_threshold",
-                 "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "offload_optimizer"):
+def translate(ds: Mapping, world_size: "int | Callable[[], int]" = None, run: Run | None = None,
+              trainer: bool = False) -> Translation:
+    """The zerompi settings a DeepSpeed config means. world_size: the ranks (their
+    data-parallel share is divided by the run's zero.tensor_parallel_size); run: the
+    run's own settings; trainer: python -m zerompi.train (which has a schedule)."""
+    run = run or Run()
+    t = Translation()
+    _check_types(ds, trainer)
+    flat: dict = {}
+    for key, value in _leaves(ds):
+        entry = lookup(key)
+        if key.startswith("bfloat16.") and "bf16" in ds:
+            continue  # DeepSpeed reads bf16 then; bfloat16 is named below
+        if entry is None:
+            if "." not in key:
+                t.unknown.append(key)
+                continue
+            block = key.rpartition(".")[0]
+            raise ConfigError(key, value, f"not a key of DeepSpeed {DS_VERSION}'s {block} that zerompi knows; "
+                              "DeepSpeed rejects unknown keys there too")
+        flat[ALIASES.get(key, key)] = (key, value)
+    if "bfloat16" in ds and "bf16" in ds:
+        t.ignored.append("bfloat16 (bf16 is given: DeepSpeed reads that)")
+    ctx = Values(flat)
+    precision = _precision(ctx, t, run)
+    for key, (name, value) in flat.items():
+        entry = lookup(key)
+        if not _in_effect(key, flat, precision):
             continue
-        if k in _ZERO_ALWAYS and v is not False:
-            continue  # what zerompi does anyway
-        if _noop(v) or (k in ("offload_optimizer", "offload_param") and v.get("device", "none") == "none"):
-            continue
-        ignored.append(f"zero_optimization.{k}")
+        if value == AUTO:
+            t.auto.append(name)
+        elif entry.refuses(value):
+            raise ConfigError(name, value, entry.what)
+        elif entry.action == IGNORE and not entry.quiet and switched_on(value):
+            t.ignored.append(name)
+    ws = _world(world_size, run)
+    _optimizer(ctx, t, run)
+    _schedule(ctx, t, run, trainer)
+    _clipping(ctx, t)
+    _batch(ctx, t, ws, run)
+    map_zero(ctx, t, precision, ws, run)  # stage, offload, buckets, dtypes, stage 3, checkpointing
+    unread = [ctx.name(k) for k in flat if _in_effect(k, flat, precision) and lookup(k).action == MAP
+              and ctx.given(k) and k not in ctx.read]
+    assert not unread, f"mapped DeepSpeed keys the translator did not read: {unread}"
+    return t
 
 
-def _activation_checkpointing(ds: Mapping, out: dict, ignored: list[str]) -> None:
-    """partition_activations / cpu_checkpointing / contiguous_memory_optimization switch
-    on our activation_checkpointing (DeepSpeed checkpoints where the model calls
-    deepspeed.checkpointing.checkpoint; zerompi checkpoints the model's repeated blocks)."""
-    ac = ds.get("activation_checkpointing") or {}
-    mapped = {}
-    for k, v in ac.items():
-        if k in _AC_KEYS:
-            if not isinstance(v, bool):
-                raise ConfigError(f"activation_checkpointing.{k}", v, "expected true or false")
-            mapped[_AC_KEYS[k]] = v
-        elif v not in (False, None, 0):
-            ignored.append(f"activation_checkpointing.{k}" + ("" if k in _AC_IGNORED else " (unknown to zerompi)"))
-    if any(mapped.values()):
-        out["activation_checkpointing"] = {"enabled": True, **mapped}
+def _check_types(ds: Mapping, trainer: bool) -> None:
+    """optimizer.type and scheduler.type first: their refusal says more than a parameter
+    the other optimizer or schedule does not know."""
+    opt = ds.get("optimizer")
+    if isinstance(opt, Mapping) and opt and str(opt.get("type")).lower() not in ADAM:
+        raise ConfigError("optimizer.type", opt.get("type"), "zerompi trains with AdamW only (DeepSpeed's Adam and "
+                          "AdamW map onto it); other optimizers are refused" if "type" in opt else "missing: "
+                          "DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW) or remove the block")
+    sch = ds.get("scheduler")
+    if isinstance(sch, Mapping) and sch.get("type") not in SCHEDULES and not _all_auto(sch):
+        why = _REFUSED_SCHEDULES.get(sch.get("type"), "not a DeepSpeed schedule zerompi maps (WarmupLR and "
+                                     "WarmupCosineLR with warmup_type linear are)")
+        raise ConfigError("scheduler.type", sch.get("type"), why)
 
 
-def _batch(ds: Mapping, out: dict, world_size) -> dict:
-    """gradient_accumulation_steps and the global batch, as DeepSpeed derives them:
-    train_batch_size = micro_batch_per_gpu * gradient_accumulation_steps * world size."""
-    tb, mb, ga = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                      "gradient_accumulation_steps"))
-    tb, mb, ga = (_int(k, v) if _set(v) else None for k, v in
-                  (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
-                   ("gradient_accumulation_steps", ga)))
-    if ga is None and tb is not None and mb is not None:
-        ws = world_size() if callable(world_size) else world_size
-        if tb % (mb * ws):
-            raise ConfigError("train_batch_size", tb, f"is not train_micro_batch_size_per_gpu {mb} x "
-                              f"gradient_accumulation_steps x {ws} ranks")
-        ga = tb // (mb * ws)
-    if ga is not None:
-        out["gradient_accumulation_steps"] = ga
-    if tb is not None and mb is not None and ga is not None:
-        ws = world_size() if callable(world_size) else world_size
-        if tb != mb * ga * ws:
-            raise ConfigError("train_batch_size", tb, f"!= train_micro_batch_size_per_gpu {mb} x "
-                              f"gradient_accumulation_steps {ga} x {ws} ranks (DeepSpeed rejects it too)")
-    if tb is None and mb is not None:
-        ws = world_size() if callable(world_size) else world_size
-        tb = mb * (ga or 1) * ws
-    return {"global_batch": tb} if tb is not None else {}
+def _all_auto(sch: Mapping) -> bool:
+    params = sch.get("params") or {}
+    return bool(params) and all(v == AUTO for v in params.values())
 
 
-def _world_size() -> int:
+def _in_effect(key: str, flat: dict, precision: str) -> bool:
+    """Whether DeepSpeed uses the key: settings of a precision block not in use, of an
+    offload whose device is none, or of a switched-off feature do nothing there either."""
+    block = key.rpartition(".")[0]
+    if block in ("fp16", "bf16"):
+        return key.endswith(".enabled") or block == precision
+    if block in ("amp", "torch_autocast", "tensor_parallel"):
+        return key in ("amp.enabled", "torch_autocast.enabled", "tensor_parallel.autotp_size")
+    if block.startswith("zero_optimization.offload_"):
+        return key.endswith(".device") or switched_on(flat.get(block + ".device", ("", "none"))[1])
+    return True
+
+
+def _world(world_size, run: Run):
+    """A function giving the data-parallel ranks (asked only when a key needs them)."""
+    memo: list = []
+
+    def dp() -> tuple[int, int, int]:
+        if not memo:
+            ws = world_size() if callable(world_size) else world_size if world_size is not None else ranks()
+            tp = int(run("zero.tensor_parallel_size"))
+            if tp < 1 or ws % tp:
+                raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({ws})")
+            memo.append((ws // tp, ws, tp))
+        return memo[0]
+    return dp
+
+
+def ranks() -> int:
     from .. import runtime
 
     return runtime.init().Get_size()
 
 
-def translate(ds: Mapping, world_size=_world_size) -> tuple[dict, dict, list[str]]:
-    """(ZeroConfig dict, trainer settings {global_batch}, ignored DeepSpeed keys).
-    Raises ConfigError (naming the DeepSpeed key) where ignoring a key changes the math."""
-    out: dict = {}
-    ignored: list[str] = []
-    _precision(ds, out, ignored)
-    _optimizer(ds, out, ignored)
-    _zero(ds, out, ignored)
-    if _set(ds.get("gradient_clipping")):
-        out["gradient_clipping"] = float(ds["gradient_clipping"])
-    if ds.get("scheduler"):
-        raise ConfigError("scheduler.type", ds["scheduler"].get("type"),
-                          "zerompi has no LR scheduler object: set engine.param_groups[i]['lr'] in "
-                          "your loop (python -m zerompi.train: warmup_steps, lr_decay_steps, min_lr)")
-    types = ds.get("data_types") or {}
-    if types.get("grad_accum_dtype") in ("fp32", "float32"):
-        out["grad_accum_dtype"] = "fp32"
-    ignored += [f"data_types.{k}" for k in types if k != "grad_accum_dtype"]
-    comm = ds.get("communication_data_type")
-    if comm is not None:
-        out["reduce_dtype"] = "fp32" if comm in ("fp32", "float32") else "param"
-    _activation_checkpointing(ds, out, ignored)
-    trainer = _batch(ds, out, world_size)
-    known = {"bf16", "bfloat16", "fp16", "amp", "optimizer", "zero_optimization", "gradient_clipping",
-             "scheduler", "data_types", "communication_data_type", "activation_checkpointing",
-             "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
-    for k, v in ds.items():
-        if k not in known and not (k in _IGNORED_TOP and _noop(v)):
-            ignored.append(k if k in _IGNORED_TOP else f"{k} (unknown to zerompi)")
-    return out, trainer, ignored
+def _precision(ctx: Values, t: Translation, run: Run) -> str:
+    flags = {p: ctx.raw(f"{p}.enabled") for p in ("bf16", "fp16")}
+    for p, v in flags.items():
+        if v != AUTO and not isinstance(v, bool):
+            raise ConfigError(ctx.name(f"{p}.enabled"), v, 'expected true, false or "auto"')
+    on = [p for p, v in flags.items() if v is True]
+    if len(on) == 2:
+        raise ConfigError(ctx.name("bf16.enabled"), True, "bf16 and fp16 are both enabled; DeepSpeed refuses "
+                          "that too: choose one")
+    from_run = not on and AUTO in flags.values()  # "auto": the framework decides, i.e. the run
+    precision = on[0] if on else str(run("zero.precision")) if from_run else "fp32"
+    if from_run and ctx.given(f"{precision}.enabled"):  # explicitly false
+        raise ConfigError(ctx.name(f"{precision}.enabled"), False, f"this run's precision is {precision} "
+                          f"(the other block says \"auto\"), but this block switches {precision} off")
+    if not from_run:
+        t.zero["precision"] = precision
+    if precision == "fp16":  # DeepSpeed's scaler, its defaults included
+        scale = {"factor": 2.0}
+        for ours, k in (("initial_scale", "fp16.initial_scale_power"), ("window", "fp16.loss_scale_window"),
+                        ("hysteresis", "fp16.hysteresis"), ("min_scale", "fp16.min_loss_scale")):
+            if not ctx.auto(k):
+                v = ctx.number(k, integer=ours != "min_scale", low=-1e9 if ours == "initial_scale" else 1e-300)
+                scale[ours] = 2.0 ** v if ours == "initial_scale" else v
+        t.zero["fp16"] = scale
+    return precision
 
 
-def _rank0() -> bool:
-    import sys
-
-    MPI = sys.modules.get("mpi4py.MPI")
-    try:
-        return MPI is None or not MPI.Is_initialized() or MPI.COMM_WORLD.Get_rank() == 0
-    except Exception:
-        return True
-
-
-def warn_ignored(ignored: list[str], source: str = "DeepSpeed config", cli: str | None = None) -> None:
-    """One warning, rank 0 only, naming every ignored key; a command line (`cli` = its
-    name) gets a plain stderr line instead of Python's warning format."""
-    if not ignored or not _rank0():
+def _optimizer(ctx: Values, t: Translation, run: Run) -> None:
+    """DeepSpeed's Adam/AdamW with its defaults (FusedAdam's and CPUAdam's; torch.optim.AdamW's
+    weight_decay 0.01 with torch_adam). No optimizer block: the client's (the run's)."""
+    if not any(k.startswith("optimizer.") for k in ctx.flat):
         return
-    msg = (f"{source}: zerompi ignores {len(ignored)} key(s) that do not change the math: "
-           f"{', '.join(ignored)} (docs/migrating-from-deepspeed.md)")
-    if cli:
-        import sys
+    t.optimizer = True
+    kind = str(ctx.get("optimizer.type")).lower()
+    torch_adam = ctx.get("optimizer.params.torch_adam") is True
+    # DeepSpeed's "AdamW" is always decoupled; its "Adam" unless adam_w_mode is false
+    decoupled = ctx.get("optimizer.params.adam_w_mode") is not False or kind == "adamw"
+    opt = {}
+    if not ctx.auto("optimizer.params.lr"):
+        opt["lr"] = ctx.number("optimizer.params.lr")
+        t.lr_key = ctx.name("optimizer.params.lr")
+        t.lr_default = not ctx.given("optimizer.params.lr")
+    if not ctx.auto("optimizer.params.betas"):
+        betas = ctx.get("optimizer.params.betas")
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(ctx.name("optimizer.params.betas"), betas, "expected two numbers in [0, 1)")
+        opt["betas"] = [float(b) for b in betas]
+    if not ctx.auto("optimizer.params.eps"):
+        opt["eps"] = ctx.number("optimizer.params.eps", low=1e-300)
+    if not ctx.auto("optimizer.params.weight_decay"):
+        opt["weight_decay"] = ctx.number("optimizer.params.weight_decay", 0.01 if torch_adam and decoupled else 0.0)
+    if not decoupled and opt.get("weight_decay", run("zero.optimizer.weight_decay")) > 0:
+        raise ConfigError(ctx.name("optimizer.params.adam_w_mode"), False, 'Adam with L2 weight decay (in the '
+                          'gradient) is not AdamW; zerompi has decoupled weight decay only')
+    t.zero["optimizer"] = opt
 
-        print(f"{cli}: warning: {msg}", file=sys.stderr, flush=True)
-    else:
-        warnings.warn(msg, DeepSpeedConfigWarning, stacklevel=3)
+
+def _clipping(ctx: Values, t: Translation) -> None:
+    if ctx.auto("gradient_clipping"):
+        return
+    t.zero["gradient_clipping"] = ctx.number("gradient_clipping")
+    if not ctx.given("gradient_clipping"):
+        t.notes.append(f"gradient_clipping absent: DeepSpeed's default {TABLE['gradient_clipping'].default:g} "
+                       "(since DeepSpeed 0.19.3; older versions did not clip: write 0 to match them)")
 
 
-def merge_into_train_config(base: dict, ds: Mapping, source: str) -> dict:
-    """`python -m zerompi.train --deepspeed_config`: the DeepSpeed file replaces the zero
-    table's keys it sets and global_batch; the rest of `base` (--config) stays."""
-    try:
-        zero, trainer, ignored = translate(ds)
-    except ConfigError as e:
-        raise e.under("deepspeed_config") from None
-    warn_ignored(ignored, source, cli="zerompi.train")
-    out = dict(base)
-    merged = dict(out.get("zero") or {})
-    for k, v in zero.items():
-        merged[k] = dict(merged.get(k) or {}, **v) if isinstance(v, dict) else v
-    out["zero"] = merged
-    out.update(trainer)
-    return out
+def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
+    """WarmupLR / WarmupCosineLR (linear warm-up) onto the trainer's deepspeed_* schedules
+    (zerompi/lr_schedule.py); all-"auto" parameters: the trainer's own schedule."""
+    params = [k for k in ctx.flat if k.startswith("scheduler.params.")]
+    if "scheduler.type" not in ctx.flat and not params:
+        return
+    kind = ctx.get("scheduler.type", None)
+    if params and all(ctx.auto(k) for k in params):
+        t.schedule = "auto"
+        ctx.read.update(params)
+        return
+    if not trainer:
+        raise ConfigError(ctx.name("scheduler.type"), kind, "zerompi.initialize has no LR scheduler: set "
+                          "engine.param_groups[i]['lr'] in your loop (python -m zerompi.train maps WarmupLR and "
+                          "WarmupCosineLR exactly)")
+    for k in params:
+        if k.rpartition(".")[2] not in SCHEDULES[kind]:
+            raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")
+    wt = ctx.get("scheduler.params.warmup_type")
+    if wt not in ("linear", AUTO):  # auto: the trainer's own warm-up, which is linear
+        raise ConfigError(ctx.name("scheduler.params.warmup_type"), f"{wt}" + ("" if ctx.given(
+            "scheduler.params.warmup_type") else " (DeepSpeed's default)"), "a logarithmic warm-up cannot be "
+            "mapped exactly onto zerompi's linear warm-up; set warmup_type to \"linear\" (a different schedule)")
+    if ctx.number("scheduler.params.last_batch_iteration", low=-1, integer=True) != -1:
+        raise ConfigError(ctx.name("scheduler.params.last_batch_iteration"), ctx.flat[
+            "scheduler.params.last_batch_iteration"][1], "only -1 (start at the beginning) is supported")
+    t.schedule = kind
+    tr = t.trainer
+    w = run("warmup_steps") if ctx.auto("scheduler.params.warmup_num_steps") else \
+        ctx.number("scheduler.params.warmup_num_steps", integer=True, low=1)
+    tr["warmup_steps"] = max(2, int(w))  # DeepSpeed warms up over at least 2 steps
+    opt_lr = t.zero.get("optimizer", {}).get("lr")
+    peak = run("zero.optimizer.lr") if opt_lr is None or "zero.optimizer.lr" in run.cli else opt_lr
+    if kind == "WarmupLR":
+        tr["lr_schedule"] = "deepspeed_warmup"
+        tr["warmup_start_lr"] = 0.0 if ctx.auto("scheduler.params.warmup_min_lr") else \
+            ctx.number("scheduler.params.warmup_min_lr")
+        if ctx.given("scheduler.params.warmup_max_lr"):  # the peak; absent: the optimizer's lr
+            t.zero.setdefault("optimizer", {})["lr"] = ctx.number("scheduler.params.warmup_max_lr")
+            t.lr_key = ctx.name("scheduler.params.warmup_max_lr")
+        return
+    tr["lr_schedule"] = "deepspeed_warmup_cosine"
+    if "scheduler.params.total_num_steps" not in ctx.flat:
+        raise ConfigError("scheduler.params.total_num_steps", None, "WarmupCosineLR needs it (DeepSpeed too)")
+    if not ctx.auto("scheduler.params.total_num_steps"):  # auto: the run's lr_decay_steps / max_steps
+        tr["lr_decay_steps"] = max(1, ctx.number("scheduler.params.total_num_steps", integer=True))
+    ratio = 0.0 if ctx.auto("scheduler.params.warmup_min_ratio") else ctx.number("scheduler.params.warmup_min_ratio")
+    tr["warmup_start_lr"] = ratio * peak
+    if not ctx.auto("scheduler.params.cos_min_ratio"):
+        low = ctx.number("scheduler.params.cos_min_ratio")
+        if low > 1:
+            raise ConfigError(ctx.name("scheduler.params.cos_min_ratio"), low, "must be <= 1 (a floor above the "
+                              "peak is not a decay)")
+        tr["min_lr"] = low * peak
 
 
-def zero_config_dict(ds: Mapping, source: str = "DeepSpeed config") -> dict:
-    """The ZeroConfig dict for a DeepSpeed config, after warning about ignored keys."""
-    out, _, ignored = translate(ds)
-    warn_ignored(ignored, source)
-    return out
+def _batch(ctx: Values, t: Translation, dp, run: Run) -> None:
+    """DeepSpeed's batch arithmetic over the data-parallel ranks: train_batch_size =
+    micro x accumulation x dp, any one derived from the other two; an "auto"
+    accumulation is the run's own."""
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    tb, mb, ga = (ctx.number(k, integer=True, low=1) if ctx.given(k) else None for k in names)
+    if ga is None and ctx.auto("gradient_accumulation_steps") and (tb or mb):
+        ga = int(run("zero.gradient_accumulation_steps"))
+    if tb is None and mb is None:
+        if ga is not None:
+            t.zero["gradient_accumulation_steps"] = ga
+        return
+    n, ws, tp = dp()
+    derived = [k for k, v in zip(names, (tb, mb, ga)) if v is None]
+    if mb is None:
+        mb = tb // n // (ga or 1)
+    if ga is None:
+        ga = tb // (mb * n) if tb is not None and mb > 0 else 1
+    if tb is None:
+        tb = mb * ga * n
+    over = f"{n} data-parallel ranks" + (f" ({ws} ranks / zero.tensor_parallel_size {tp})" if tp > 1 else "")
+    if min(mb, ga) < 1 or tb != mb * ga * n:
+        d = lambda k: " (derived)" if k in derived else ""  # noqa: E731
+        raise ConfigError(ctx.name("train_batch_size"), tb, f"!= train_micro_batch_size_per_gpu {mb}{d(names[1])} "
+                          f"x gradient_accumulation_steps {ga}{d(names[2])} x {over}; DeepSpeed requires equality")
+    t.zero["gradient_accumulation_steps"] = ga
+    t.trainer["global_batch"] = tb
+    t.batch = {"global": tb, "micro": mb, "accum": ga, "dp": n, "world": ws, "tp": tp}
+
+
+__all__ = ["AUTO", "DeepSpeedConfigWarning", "Run", "Translation", "looks_like_deepspeed", "translate"]

@@ -138,9 +138,12 @@ def _plain(obj: Any) -> Any:
 
 
 def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
-         overrides: "Mapping[str, Any] | Sequence[str] | None" = None, cls: type = None):
+         overrides: "Mapping[str, Any] | Sequence[str] | None" = None, cls: type = None, *,
+         dp_size: int | None = None):
     """Build a config (default ZeroConfig; any config dataclass via `cls`) from an
-    instance, dict or file path plus dotted overrides."""
+    instance, dict or file path plus dotted overrides. A DeepSpeed config (ZeroConfig
+    only) is translated as DeepSpeed means it over `dp_size` data-parallel ranks
+    (default: every rank), and rank 0 says what it turned into."""
     cls = ZeroConfig if cls is None else cls
     if source is None:
         data: dict = {}
@@ -151,18 +154,26 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
         data = json.loads(json.dumps(source, default=_plain))
     else:
         data = read_file(source)
+    ds = None
     if cls is ZeroConfig and not isinstance(source, cls):
         from . import deepspeed
 
         if deepspeed.looks_like_deepspeed(data):  # a DeepSpeed JSON config: translate it
-            data = deepspeed.zero_config_dict(data, f"DeepSpeed config {os.fspath(source)}"
-                                              if isinstance(source, (str, os.PathLike)) else "DeepSpeed config")
+            name = f"DeepSpeed config {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) \
+                else "DeepSpeed config"
+            ds = deepspeed.translate(data, world_size=dp_size)
+            data = ds.zero
     if overrides:
         if not isinstance(overrides, Mapping):
             overrides = parse_overrides(overrides)
         for k, v in overrides.items():
             _set_dotted(data, k, v)
-    return _build(cls, data)
+    cfg = _build(cls, data)
+    if ds is not None:
+        from .deepspeed_report import announce, effective
+
+        announce(ds, name, [f"{name}, in effect: {effective(ds, cfg)}"], "zerompi")
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict:

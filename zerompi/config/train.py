@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..lr_schedule import KINDS
 from . import loading as config
 from .errors import fail
 from .loading import parse_overrides
@@ -76,12 +78,20 @@ class TrainConfig:
     ranks: uneven rows are exact (losses weighted by rows), and rank 0 prints a note."""
     max_steps: int = 1000
     """Optimizer steps of the whole run (a resumed run continues up to this)."""
+    lr_schedule: str = "cosine"
+    """cosine | deepspeed_warmup | deepspeed_warmup_cosine. cosine: linear warm-up over
+    warmup_steps, cosine decay to min_lr at lr_decay_steps. The deepspeed_* ones are
+    DeepSpeed's WarmupLR / WarmupCosineLR (linear warm-up) exactly, counted in applied
+    updates as DeepSpeed counts them; --deepspeed_config maps onto them (zerompi/lr_schedule.py)."""
     warmup_steps: int = 100
-    """Linear LR warm-up from 0 to zero.optimizer.lr over this many steps."""
+    """Linear LR warm-up from 0 (deepspeed_*: from warmup_start_lr) to zero.optimizer.lr over this many steps."""
+    warmup_start_lr: float = 0.0
+    """deepspeed_* schedules: where the warm-up starts (WarmupLR's warmup_min_lr;
+    WarmupCosineLR's warmup_min_ratio x lr)."""
     lr_decay_steps: int = 0
     """Cosine decay from zero.optimizer.lr to min_lr ends here; 0 = max_steps."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay and afterwards."""
+    """Learning rate at the end of the cosine decay and afterwards (not used by deepspeed_warmup)."""
     eval_interval: int = 100
     """Validate every this many steps and at the end; 0 = never."""
     eval_batches: int = 8
@@ -142,7 +152,14 @@ class TrainConfig:
             fail("val_fraction", self.val_fraction, "must be in [0, 1)")
         if self.eval_interval and self.val_fraction == 0:
             fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
-        if not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
+        if self.lr_schedule not in KINDS:
+            fail("lr_schedule", self.lr_schedule, f"must be one of {', '.join(KINDS)}")
+        if self.lr_schedule != "cosine" and self.warmup_steps < 2:
+            fail("warmup_steps", self.warmup_steps, f"must be >= 2 with lr_schedule {self.lr_schedule} "
+                 "(DeepSpeed warms up over at least 2 steps)")
+        if not self.warmup_start_lr >= 0:
+            fail("warmup_start_lr", self.warmup_start_lr, "must be >= 0")
+        if self.lr_schedule != "deepspeed_warmup" and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
             fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
         if self.block_size > self.model.gpt_config().block_size:
             fail("block_size", self.block_size,
@@ -168,9 +185,9 @@ def load(source: "str | os.PathLike | dict | None" = None,
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:
-    """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json` (its
-    settings replace the zero table's and global_batch), then `--key value` / `key=value`
-    overrides."""
+    """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json`, then
+    `--key value` / `key=value` overrides. Which side wins with a DeepSpeed file:
+    config/deepspeed_report.RULE (docs/migrating-from-deepspeed.md), printed at start."""
     argv = list(argv)
     files = {"config": None, "deepspeed_config": None}
     rest = []
@@ -188,14 +205,80 @@ def from_argv(argv: Sequence[str]) -> TrainConfig:
             continue
         rest.append(tok)
         i += 1
-    source = files["config"]
     if files["deepspeed_config"]:
-        from . import deepspeed
+        return _with_deepspeed(files["config"], files["deepspeed_config"], parse_overrides(rest))
+    return load(files["config"], parse_overrides(rest))
 
-        base = config.read_file(source) if source else {}
-        source = deepspeed.merge_into_train_config(base, config.read_file(files["deepspeed_config"]),
-                                                   f"DeepSpeed config {files['deepspeed_config']}")
-    return load(source, parse_overrides(rest))
+
+def value_of(data: dict, key: str) -> Any:
+    """A TrainConfig-dotted key's value in a partial, unchecked config dict (strings from
+    the command line included), coerced to its field's type; absent: the default."""
+    cls, v, default = TrainConfig, data, TrainConfig()
+    for part in key.split("."):
+        cls, default = typing.get_type_hints(cls)[part], getattr(default, part)
+        v = v.get(part, dataclasses.MISSING) if isinstance(v, dict) else dataclasses.MISSING
+    return default if v is dataclasses.MISSING else config._coerce(key, v, cls)
+
+
+def _dotted(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _show(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else f"({', '.join(_show(x) for x in v)})" if isinstance(v, tuple) \
+        else str(v)
+
+
+def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
+    """The rule (deepspeed_report.RULE): --config, then what the DeepSpeed file decides
+    (DeepSpeed's defaults included), then the command line; said on rank 0 at start."""
+    from . import deepspeed
+    from .deepspeed_report import RULE, announce, effective
+    from .errors import ConfigError
+
+    base = config.read_file(config_path) if config_path else {}
+    run_data = json.loads(json.dumps(base))
+    for k, v in overrides.items():
+        config._set_dotted(run_data, k, v)
+    ranks, tp = deepspeed.ranks(), value_of(run_data, "zero.tensor_parallel_size")
+    if tp < 1 or ranks % tp:
+        raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({ranks})")
+    try:
+        t = deepspeed.translate(config.read_file(ds_path), ranks, deepspeed.Run(lambda k: value_of(run_data, k),
+                                set(overrides)), trainer=True)
+    except ConfigError as e:
+        raise e.under("deepspeed_config") from None
+    data, replaced, beaten = json.loads(json.dumps(base)), [], []
+    for key, v in {**_dotted({"zero": t.zero}), **t.trainer}.items():
+        tmp: dict = {}
+        config._set_dotted(tmp, key, v)
+        new, old = value_of(tmp, key), value_of(base, key)
+        if key in overrides:
+            beaten.append(key)
+        elif _dotted(base).get(key, dataclasses.MISSING) is not dataclasses.MISSING and old != new:
+            replaced.append(f"{key} {_show(old)} -> {_show(new)}")
+        config._set_dotted(data, key, v)
+    for k, v in overrides.items():
+        config._set_dotted(data, k, v)
+    lr, low = value_of(data, "zero.optimizer.lr"), value_of(data, "min_lr")
+    if t.lr_key and "zero.optimizer.lr" not in overrides and "min_lr" not in t.trainer \
+            and value_of(data, "lr_schedule") != "deepspeed_warmup" and low > lr:
+        src = "the command line" if "min_lr" in overrides else f"--config {config_path}" \
+            if "min_lr" in base else "zerompi's default"
+        raise ConfigError(f"deepspeed_config.{t.lr_key}", lr, "this learning rate from the DeepSpeed file "
+                          f"{ds_path}{' (its default: the file leaves it out)' if t.lr_default else ''} is below "
+                          f"min_lr = {low:g} from {src}, where the trainer's schedule ends (the file has no "
+                          "scheduler); lower min_lr or give the file a scheduler")
+    cfg = load(data)
+    source = f"DeepSpeed config {ds_path}"
+    rule = f"which side wins: {RULE}" + (f"; replaced from --config: {', '.join(replaced)}" if replaced else "") \
+        + (f"; the command line replaced the file's {', '.join(beaten)}" if beaten else "")
+    announce(t, source, [rule, f"{source}, in effect: {effective(t, cfg.zero, cfg, ranks // tp)}"],
+             "zerompi.train")
+    return cfg
 
 
 def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:

@@ -97,8 +97,20 @@ class CommConfig:
     """After SIGTERM/SIGINT, a wait longer than this means the ranks cannot agree to
     checkpoint: the job ends without one (exit 128 + signal). 0 = wait as long as the
     deadlines above allow."""
+    hierarchical: str = "auto"
+    """auto | on | off: two-level reduce-scatter and all-gather for shard_group "world"
+    (inside the node, then across nodes; comm/hierarchy.py). Each rank then sends 1/P of
+    a flat alltoall's bytes over the inter-node link (P ranks per node) in P - 1 + M - 1
+    steps instead of N - 1 (M nodes). auto: on when the data-parallel group spans
+    several nodes with several of its ranks on each. Gathers are bitwise the same;
+    sums are added node by node ((g0 + g1) + (g2 + g3)), so results differ from flat
+    ones in the last bits (within the parity floor), still independent of the bucket
+    size. Stage 0 and other shard groups: flat. With reduce_scatter "native" the
+    reduce-scatter is the library's flat one (only the all-gather has two levels)."""
 
     def __post_init__(self) -> None:
+        if self.hierarchical not in ("auto", "on", "off"):
+            fail("hierarchical", self.hierarchical, "must be auto, on or off")
         for k in ("timeout_s", "startup_timeout_s", "stop_grace_s"):
             if not getattr(self, k) >= 0:
                 fail(k, getattr(self, k), "must be >= 0 (0 = off)")
@@ -131,6 +143,14 @@ class Stage3Config:
     rank's chunk of its collectives stays large at large N. "auto": the bucket, when
     bucket_size "auto" is above its 2^22 floor (the bucket is then a floor on the per-rank
     chunk); otherwise 0 (off). An integer: that target at any N (zero/units.py)."""
+    secondary_partition: int | str = "off"
+    """off | node | K: ZeRO++'s hpZ. After a unit's forward all-gather each rank keeps its
+    slice of the low-precision unit over a small group (its node's data-parallel ranks,
+    or K consecutive ones), and backward re-gathers the unit inside that group only,
+    instead of across the whole shard group. Costs 1/P of the low-precision parameters
+    per rank (P = the group's size; memory_report()["secondary"]). Refilled by every
+    forward gather (so never stale after an update or a load); the values are copies,
+    so results are bitwise those without it (zero/secondary.py). K = 1 is off."""
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:
@@ -143,6 +163,9 @@ class Stage3Config:
             fail("unit_classes", self.unit_classes, 'must be "auto" or comma-separated class names')
         if self.unit_min_elements < 0:
             fail("unit_min_elements", self.unit_min_elements, "must be >= 0")
+        sp = self.secondary_partition
+        if sp not in ("off", "node") and not (isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1):
+            fail("secondary_partition", sp, 'must be "off", "node" or an integer >= 1 (ranks per group)')
         if self.coalesce_elements != "auto" and not (isinstance(self.coalesce_elements, int)
                                                      and self.coalesce_elements >= 0):
             fail("coalesce_elements", self.coalesce_elements, 'must be "auto" or an integer >= 0')
@@ -213,6 +236,14 @@ class ZeroConfig:
     numbers) or 'fp32' (exact accumulation, +2 bytes per stored element in bf16/fp16)."""
     alignment: int = 16
     """Each parameter starts at a multiple of this many elements in the flat buffer."""
+    shard_group: int | str = "world"
+    """world | node | K: where stages 1-3 partition their states (hybrid sharding: MiCS,
+    FSDP's HSDP). world: over all N data-parallel ranks. node: over the data-parallel
+    ranks of each node, replicated across nodes. K: over groups of K consecutive
+    data-parallel ranks (K divides N). Gradients are reduce-scattered inside the group,
+    then each shard is all-reduced across the N / K groups; parameter gathers never
+    leave the group. States per rank: the stage's formula with N -> K. Stage 0 ignores
+    it. Checkpoints are the same format whatever the group (zero/groups.py)."""
     fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
@@ -250,6 +281,12 @@ class ZeroConfig:
             fail("reduce_dtype", self.reduce_dtype, "must be fp32 or param")
         if self.grad_accum_dtype not in ("fp32", "param"):
             fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
+        sg = self.shard_group
+        if sg not in ("world", "node") and not (isinstance(sg, int) and not isinstance(sg, bool) and sg >= 1):
+            fail("shard_group", sg, 'must be "world", "node" or an integer >= 1 (ranks per group)')
+        if sg != "world" and self.comm.hierarchical == "on":
+            fail("comm.hierarchical", "on", f'two-level collectives are for shard_group "world" '
+                 f"(shard_group is {sg!r}: its gathers stay inside the group already); use auto or off")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             fail("alignment", self.alignment, "must be a power of two")
         if self.max_nonfinite_steps < 0:

@@ -28,6 +28,7 @@ import pathlib
 import numpy as np
 
 from .tokens import H5Tokens, TokenSampler, open_tokens, split_tokens
+from ..runtime.console import say
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _NPY_MAGIC = b"\x93NUMPY"
@@ -206,8 +207,6 @@ def open_agreed(spec: str, vocab_size: int, block_size: int, val_fraction: float
     """check_source on every rank (each needs its own memmap anyway), failures agreed
     (runtime.agree), so all ranks go on or all stop: tokens, or None after rank 0 printed
     the job's one error line. Collective over `comm`."""
-    import sys
-
     from .. import runtime
 
     tokens = error = what = None
@@ -216,9 +215,8 @@ def open_agreed(spec: str, vocab_size: int, block_size: int, val_fraction: float
     except DataError as e:
         error = e
     errors = runtime.agree(comm, error)
-    if comm.rank == 0:
-        if errors:
-            print(f"zerompi.train: error: {errors[0][2]}", file=sys.stderr, flush=True)
-        else:
-            print(f"zerompi.train: data {spec}: {what}", flush=True)
+    if errors:
+        say(f"error: {errors[0][2]}", rank=comm.rank, prog="zerompi.train")
+    else:
+        say(f"data {spec}: {what}", rank=comm.rank, prog="zerompi.train", err=False)
     return None if errors else tokens

@@ -1,1 +1,1 @@
-"""Planning estimates: memory per rank, communication time, bucket sizes (issue 17)."""
+"""Planning estimates: memory per rank, communication time, bucket sizes."""

@@ -20,8 +20,8 @@ fused attention (SDPA) and dropout = 0 need less, so it is an upper estimate.
   checkpoint+Pa+offload the kept inputs on the host (Pa + CPU); on the device one
                         layer's set, the head, and two inputs in flight:
                         2 e s b h / t + layer + head;  host: L e s b h / t
-Tensor parallelism and Pa/offload are not implemented in the engine yet (issue 15):
-these rows size a future run, they are not measurements.
+The engine implements these modes (parallel/activations.py); the rows here are the
+formulas, not measurements.
 """
 from __future__ import annotations
 

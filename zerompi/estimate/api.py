@@ -5,12 +5,14 @@
     api.formulas(7.5e9, dps=[1, 64, 1024])               # model states per rank, every stage
     api.size("gpt-7.5b", dps=[1024], stages=[3], mem_per_rank=80 * 2**30, link="hdr-ib")
     api.dry_run("gpt-1t", dps=[4096])                    # the engine's real layout at N ranks
+    api.size("gpt-7.5b", dps=[1024], stages=[3], ranks_per_node=8, link="ndr-ib")  # + across nodes
 
 `model` is a preset name (models.ALL_SHAPES), a zerompi.config.train TrainConfig, a
 TOML/JSON path of one, or a models.ModelSpec.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import time
@@ -20,7 +22,7 @@ from ..config import train as train_config
 from ..config import ZeroConfig
 from ..zero.buckets import auto_elem_bytes, bucket_policy
 from ..comm import cost_model
-from . import memory, models
+from . import hierarchy as hier, memory, models
 from .dryrun import DryRun, dry_run as _dry_run
 from .sizing import size_run
 
@@ -106,18 +108,73 @@ def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link, stage: in
     return bucket_policy("auto", n, elem_bytes=auto_elem_bytes(precision, zcfg.reduce_dtype, stage), link=link)
 
 
+def placement(dps: Sequence[int], ranks_per_node: int | None = None, nodes: int | None = None) -> dict | None:
+    """{N: ranks per node} for every N (block placement): `ranks_per_node` P, or `nodes`
+    K for P = N / K; None without either (one node)."""
+    if ranks_per_node is None and nodes is None:
+        return None
+    if ranks_per_node is not None and nodes is not None:
+        raise ValueError("--ranks-per-node P and --nodes K say the same (P = N / K): give one")
+    flag, v = ("--nodes", nodes) if nodes is not None else ("--ranks-per-node", ranks_per_node)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
+    bad = [n for n in dps if n % v]
+    if bad:
+        raise ValueError(f"--nodes {v}: must divide every N of --dp (not {bad[0]})" if nodes is not None else
+                         f"--ranks-per-node {v} does not divide N = {bad[0]}")
+    return {n: n // nodes if nodes is not None else ranks_per_node for n in dps}
+
+
+def with_mode(zcfg: ZeroConfig, shard_group=None, hierarchical: str | None = None, secondary_partition=None):
+    """zcfg with the hierarchy keys given replaced (checked by the config itself)."""
+    if shard_group is None and hierarchical is None and secondary_partition is None:
+        return zcfg
+    return dataclasses.replace(
+        zcfg, shard_group=zcfg.shard_group if shard_group is None else shard_group,
+        comm=dataclasses.replace(zcfg.comm, hierarchical=hierarchical or zcfg.comm.hierarchical),
+        stage3=dataclasses.replace(zcfg.stage3, secondary_partition=zcfg.stage3.secondary_partition
+                                   if secondary_partition is None else secondary_partition))
+
+
+def _link_dict(link) -> dict:
+    return {"name": link.name, "alpha": link.alpha, "beta": link.beta}
+
+
+def _across(runs: list[dict], runner, per: dict, zcfg: ZeroConfig, precision: str, gas: int, gdt: str,
+            buckets: list, inter, intra_link, nics: int | None, modes: dict | None) -> dict:
+    """Each run's own mode across nodes (run["nodes"]) and every mode compared."""
+    if nics is not None and (isinstance(nics, bool) or not isinstance(nics, int) or nics < 1):
+        raise ValueError(f"--nics-per-node must be an integer >= 1 (got {nics!r})")
+    intra = resolve_link(intra_link)
+    own, out = hier.settings_of(zcfg), []
+    for run, b in zip(runs, buckets):
+        run["nodes"], priced = hier.compare(runner, run["N"], per[run["N"]], run["stage"], own, precision, gas,
+                                            gdt, b, inter, intra, nics, modes)
+        out += priced
+    return {"inter": _link_dict(inter), "intra": _link_dict(intra), "nics_per_node": nics, "own": own,
+            "modes": out}
+
+
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,
          precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
          tp: int = 1, bucket: "int | str | None" = None, micro_batch: int | None = None,
          seq_len: int = 0, mem_per_rank: int | None = None, link=None, alpha=None, beta=None,
-         zero: ZeroConfig | None = None) -> dict:
+         zero: ZeroConfig | None = None, ranks_per_node: int | None = None, nodes: int | None = None,
+         nics_per_node: int | None = None, intra_link="nvlink", shard_group=None, hierarchical=None,
+         secondary_partition=None, modes: dict | None = None) -> dict:
     """Every rank's memory (model states, buffers, working memory, activations), the
     largest micro-batch per activation strategy, and the collectives of one step with
     their predicted time, for a concrete model at each N and stage. Settings not given
     come from the model's TrainConfig (zero.*: its stage), else ZeroConfig defaults in bf16
-    (every stage)."""
+    (every stage); shard_group, hierarchical, secondary_partition override its zero.*.
+    With ranks_per_node P (or nodes K: P = N / K) the ranks sit on nodes, `link` is the
+    link between them (one of the node's nics_per_node, default one per rank) and
+    `intra_link` the one inside: each run gets "nodes", what its own mode moves inside
+    and across nodes per step and the time (hierarchy.py), and "nodes" lists it with every
+    mode of `modes` (default hierarchy.MODES; {} for none)."""
     spec, zcfg_cfg, global_batch = resolve_model(model, seq_len)
-    zcfg = zero or zcfg_cfg or ZeroConfig(precision="bf16")
+    zcfg = with_mode(zero or zcfg_cfg or ZeroConfig(precision="bf16"), shard_group, hierarchical,
+                     secondary_partition)
     precision = precision or zcfg.precision
     gdt = grad_accum_dtype or zcfg.grad_accum_dtype
     gas = gas or zcfg.gradient_accumulation_steps
@@ -127,29 +184,49 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1 (got {micro_batch})")
     lk = resolve_link(link, alpha, beta)
+    per = placement(dps, ranks_per_node, nodes)
+    if per and tp != 1:
+        raise ValueError("--ranks-per-node/--nodes price the engine's layout, which the estimator builds at "
+                         "tp 1: use --tp 1")
     layout_spec = spec if tp == 1 else models.from_params(spec.psi / tp)
     runner = DryRun(layout_spec, zcfg)
-    runs = [size_run(spec, runner, n, stage=s, precision=precision, grad_accum_dtype=gdt, gas=gas, tp=tp,
-                     bucket=_bucket_at(bucket, n, zcfg, precision, lk, s), micro_batch=micro_batch,
-                     global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank, link=lk)
-            for n in dps for s in stages]
-    note = "" if tp == 1 else (f"\nTensor parallelism is not in the engine yet (issue 15): with tp = {tp} "
-                               f"the layout is a flat vector of Ψ/tp = {spec.psi // tp:,} elements.")
-    return {"mode": "size", "model": spec.describe() + note, "psi": spec.psi,
-            "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
-            "mem_per_rank": mem_per_rank, "runs": runs}
+    mode = (zcfg.shard_group, zcfg.comm.hierarchical, zcfg.stage3.secondary_partition)
+    runs, buckets = [], []
+    for n in dps:
+        for s in stages:
+            b = _bucket_at(bucket, n, zcfg, precision, lk, s)
+            plan = hier.plan_for(n, per[n] if per else None, s, *mode)
+            buckets.append(b)
+            runs.append(size_run(spec, runner, n, stage=s, precision=precision, grad_accum_dtype=gdt, gas=gas,
+                                 tp=tp, bucket=b, micro_batch=micro_batch,
+                                 global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank,
+                                 link=lk, plan=plan))
+    note = "" if tp == 1 else (f"\nThe layout does not split the model by tensor parallelism: with tp = {tp} "
+                               f"it is a flat vector of Ψ/tp = {spec.psi // tp:,} elements per tp rank.")
+    out = {"mode": "size", "model": spec.describe() + note, "psi": spec.psi,
+           "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
+           "mem_per_rank": mem_per_rank, "runs": runs}
+    if per:
+        out["nodes"] = _across(runs, runner, per, zcfg, precision, gas, gdt, buckets, lk, intra_link,
+                               nics_per_node, modes)
+    return out
 
 
 def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence[int] = STAGES, *,
             precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
             bucket: "int | str | None" = None, check_ranks: Sequence[int] | None = None, link=None,
-            alpha=None, beta=None, seq_len: int = 0, zero: ZeroConfig | None = None) -> dict:
+            alpha=None, beta=None, seq_len: int = 0, zero: ZeroConfig | None = None,
+            ranks_per_node: int | None = None, nodes: int | None = None, nics_per_node: int | None = None,
+            intra_link="nvlink", shard_group=None, hierarchical=None, secondary_partition=None,
+            modes: dict | None = None) -> dict:
     """The engine's own partition layout at N virtual ranks (no MPI, no data, no
-    parameter memory): per-rank bytes against the formula, imbalance, collectives."""
+    parameter memory): per-rank bytes against the formula, imbalance, collectives. With
+    ranks_per_node or nodes: also each run's mode and every other across nodes (as size())."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     spec, zcfg_cfg, _ = resolve_model(model, seq_len)
-    zcfg = zero or zcfg_cfg or ZeroConfig(precision="bf16")
+    zcfg = with_mode(zero or zcfg_cfg or ZeroConfig(precision="bf16"), shard_group, hierarchical,
+                     secondary_partition)
     precision = precision or zcfg.precision
     gdt = grad_accum_dtype or zcfg.grad_accum_dtype
     gas = gas or zcfg.gradient_accumulation_steps
@@ -160,15 +237,20 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
             raise ValueError(f"--check-ranks: rank {r} is outside some N of --dp {list(dps)}")
     # a link only when named: otherwise "auto" is the engine's own rule
     lk = resolve_link(link, alpha, beta) if bucket == "auto" and (link or alpha or beta) else None
+    per = placement(dps, ranks_per_node, nodes)
     runner = DryRun(spec, zcfg)
-    runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None,
-                     _bucket_at(bucket, n, zcfg, precision, lk, s))
-            for n in dps for s in stages]
+    buckets = [_bucket_at(bucket, n, zcfg, precision, lk, s) for n in dps for s in stages]
+    runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None, b)
+            for (n, s), b in zip([(n, s) for n in dps for s in stages], buckets)]
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    return {"mode": "dry_run", "model": spec.describe(), "psi": spec.psi,
-            "settings": _settings(zcfg, precision, gdt, gas, 1, bucket),
-            "meta_seconds": runner.meta_seconds, "rss_growth_mib": rss,
-            "seconds": time.perf_counter() - t0, "runs": runs}
+    out = {"mode": "dry_run", "model": spec.describe(), "psi": spec.psi,
+           "settings": _settings(zcfg, precision, gdt, gas, 1, bucket),
+           "meta_seconds": runner.meta_seconds, "rss_growth_mib": rss,
+           "seconds": time.perf_counter() - t0, "runs": runs}
+    if per:
+        out["nodes"] = _across(runs, runner, per, zcfg, precision, gas, gdt, buckets,
+                               resolve_link(link, alpha, beta), intra_link, nics_per_node, modes)
+    return out
 
 
 def parse_list(text: str, what: str) -> list[int]:

@@ -75,21 +75,23 @@ class DryRun:
         self._cache: dict = {}
 
     def build(self, n: int, stage: int, bucket: "int | str | tuple[int, bool] | None" = None,
-              precision: str | None = None) -> Built:
+              precision: str | None = None, k: int | None = None) -> Built:
         """The layout the engine builds at N ranks for `stage` (bucket: override
         zero.bucket_size; a pair (elements, at_least) is taken as resolved; precision:
-        override zero.precision, which sizes "auto")."""
+        override zero.precision, which sizes "auto"; k: ranks per shard group,
+        zero.shard_group, default N: the layout spans k ranks, replicated N / k times)."""
         if n < 1:
             raise ValueError(f"N must be >= 1, got {n}")
+        k = n if k is None else k
         cfg = self.zcfg if bucket is None or isinstance(bucket, tuple) else \
             dataclasses.replace(self.zcfg, bucket_size=bucket)
         # the engine's own builder (zero/layout.py): "auto" grows with N
         bucket, at_least = bucket if isinstance(bucket, tuple) else zlayout.bucket(cfg, n, stage, precision)
-        key = (n, PARTS[stage].store, bucket, at_least)
+        key = (n, k, PARTS[stage].store, bucket, at_least)
         if key not in self._cache:
             t = time.perf_counter()
             plan = zlayout.plan(self.model, self.trainable, cfg, stage, bucket, at_least)
-            layout = zlayout.flat_layout(plan, n, cfg, bucket, at_least)
+            layout = zlayout.flat_layout(plan, k, cfg, bucket, at_least, n // k)
             numels = [p.numel() for _, p in plan.order]
             built = Built(n, layout, plan, numels, time.perf_counter() - t, bucket)
             self._cache[key] = built
@@ -155,7 +157,7 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
     """Every collective of one optimizer step (GAS micro-steps) as rows grouped by buffer
     size: op, elements per collective, per-rank chunk, bytes, count per step, and the
     elements per step in comm_stats()'s convention (all-reduce of n counts 2n)."""
-    layout, n = built.layout, built.n
+    layout, n, g = built.layout, built.layout.world, built.layout.replicas
     pbytes, rbytes = DTYPES[precision].itemsize, reduce_bytes(zcfg, precision)
     sizes = [e - s for s, e in layout.blocks]
     all_blocks = Counter(sizes)
@@ -165,6 +167,8 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
         rows += [("all_reduce", b, rbytes, c, False) for b, c in all_blocks.items()]
     else:
         rows += [("reduce_scatter", b, rbytes, c * reduce_times, False) for b, c in all_blocks.items()]
+    if stage and g > 1:  # hybrid: each rank's chunk all-reduced across the g groups (comm.hierarchy)
+        rows += [("all_reduce", b // n, rbytes, c * reduce_times, False) for b, c in all_blocks.items()]
     if stage in (1, 2):
         rows += [("all_gather", b, pbytes, c, False) for b, c in all_blocks.items()]
     if stage == 3:
@@ -182,7 +186,8 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
     out = []
     for op, elems, eb, count, scalars in sorted(rows, key=lambda r: (r[0], -r[1])):
         counted = 2 * elems if op == "all_reduce" else elems
-        out.append({"op": op, "elements": elems, "chunk_elements": elems if scalars else elems // n,
+        per = g if op == "all_reduce" and g > 1 and stage else n  # the replicas split a chunk
+        out.append({"op": op, "elements": elems, "chunk_elements": elems if scalars else elems // per,
                     "element_bytes": eb, "nbytes": elems * eb, "count": count,
                     "counted_elements": counted * count, "bytes_per_step": counted * eb * count,
                     "scalars": scalars})

@@ -22,6 +22,8 @@ SHAPES: dict[str, GPTConfig] = {
     "gpt-135m": GPTConfig(vocab_size=256, block_size=1024, n_layer=19, n_head=12, n_embd=768),
     # 7,464,116,224: the paper's 7.5B row (GPT-2 vocabulary padded to 50304).
     "gpt-7.5b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=36, n_head=32, n_embd=4096),
+    # 100,300,079,104: a 100B model (docs/scaling.md, "Hierarchy").
+    "gpt-100b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=124, n_head=64, n_embd=8192),
     # 129,294,942,208: the paper's 128B row.
     "gpt-128b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=160, n_head=64, n_embd=8192),
     # 1,008,015,820,800: the paper's 1T row.

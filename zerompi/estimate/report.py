@@ -111,7 +111,8 @@ def render_sizing(res: dict) -> str:
         ms = d["model_states"]
         row = [d["N"], d["stage"], g(ms["params"]), g(ms["grads"]), g(ms["master"] + ms["optimizer"]),
                g(ms["model_states"]), g(d["buffers"]),
-               g(d["gathered"] + d["persistent"] + d["transient_grads"]) if d["work_estimated"] else "n/a"]
+               g(d["gathered"] + d["persistent"] + d["transient_grads"] + d["secondary_bytes"])
+               if d["work_estimated"] else "n/a"]
         if has_act:
             a = d["activations"]
             row += [d["micro_batch"], g(a["none"]["device"]), g(a["checkpoint"]["device"]),
@@ -129,6 +130,12 @@ def render_sizing(res: dict) -> str:
                        "activations without checkpointing, with checkpointing, + Pa, + offload (0: does not fit).")
         if any(d["tp"] == 1 for d in runs):
             out.append("At tp = 1, Pa partitions nothing: ckpt+Pa = ckpt.")
+    if any(d["shard_group"] < d["N"] for d in runs):
+        out.append("states partitioned over shard groups of K ranks (zero.shard_group): " + ", ".join(
+            f"N = {d['N']}: K = {d['shard_group']}" for d in runs if d["shard_group"] < d["N"]) + ".")
+    if any(d["secondary_bytes"] for d in runs):
+        out.append("work includes stage 3's secondary partition (zero.stage3.secondary_partition): " + ", ".join(
+            f"N = {d['N']}: {g(d['secondary_bytes'])} {uname}" for d in runs if d["secondary_bytes"]) + ".")
     if not runs[0]["work_estimated"]:
         out.append("work n/a: a bare parameter count (or tp > 1) has no module structure to estimate it from.")
     if mem is not None and not has_act:
@@ -140,6 +147,8 @@ def render_sizing(res: dict) -> str:
     out.append(render_buckets(runs))
     out.append("")
     out.append(render_comm(runs))
+    if res.get("nodes"):
+        out += ["", render_nodes(res["nodes"])]
     if len(runs) <= 2:
         for d in runs:
             out.append("")
@@ -159,7 +168,9 @@ def render_comm(runs: list[dict]) -> str:
         lines.append(f"Predicted time: alpha-beta model (cost_model.py), link {lk['name']}: alpha = "
                      f"{lk['alpha'] * 1e6:g} us, beta = {lk['beta']:.3g} s/B "
                      f"({(1 / lk['beta'] / 1e9) if lk['beta'] else float('inf'):.3g} GB/s); "
-                     "collectives in sequence, no overlap with compute.")
+                     "collectives in sequence, no overlap with compute"
+                     + ("; every rank on this one link (across nodes: the table \"Across nodes\")."
+                        if runs[0].get("nodes") else "."))
     uname, unit = pick_unit([sum(v["bytes"] for v in d["summary"]["by_op"].values()) for d in runs])
     header = ["N", "stage", "collectives", "elements", f"{uname} moved", "min chunk", "max chunk", "blocks"]
     if ct:
@@ -177,6 +188,47 @@ def render_comm(runs: list[dict]) -> str:
     lines.append(table(header, body))
     lines.append("min/max chunk: elements per rank in one bucket collective (block / N).")
     return "\n".join(lines)
+
+
+def render_nodes(nodes: dict) -> str:
+    """Each run's own mode (*) and every other across nodes (hierarchy.py)."""
+    results, inter, intra = nodes["modes"], nodes["inter"], nodes["intra"]
+    uname, unit = pick_unit([d["per_rank_bytes"] for d in results])
+    head = ["N", "P", "stage", "mode", "K x G", "states", "secondary", "buffers", f"total {uname}",
+            "in node/rank", "across/rank", "per node link", "time", "inter"]
+    body = []
+    for d in results:
+        body.append([d["N"], d["ranks_per_node"], d["stage"], f"{'* ' if d['own'] else ''}{d['name']} ({d['mode']})",
+                     f"{d['shard_group']} x {d['replicas']}", gib(d["model_states"], unit),
+                     gib(d["secondary_bytes"], unit) if d["secondary_group"] else "-", gib(d["buffers"], unit),
+                     gib(d["per_rank_bytes"], unit), _bytes(d["intra_bytes_per_rank"]),
+                     _bytes(d["cross_bytes_per_rank"]), _bytes(d["node_link_bytes"]),
+                     secs(d["time"]["seconds"]),
+                     f"{d['time']['inter_seconds'] / max(d['time']['seconds'], 1e-30):.0%}"])
+    own, q = nodes["own"], nodes["nics_per_node"]
+    return "\n".join([
+        f"Across nodes (hierarchy.py), ranks in blocks of P per node; links: between nodes {inter['name']} "
+        f"({inter['alpha'] * 1e6:g} us, {_gbs(inter['beta'])} GB/s, "
+        + (f"{q} per node" if q else "one per rank") + f"), inside {intra['name']} "
+        f"({intra['alpha'] * 1e6:g} us, {_gbs(intra['beta'])} GB/s).",
+        table(head, body),
+        f"*: this run's mode (shard_group {own['shard_group']}, comm.hierarchical {own['hierarchical']}, "
+        f"stage3.secondary_partition {own['secondary']}); the others: zero.* set as named "
+        "(docs/scaling.md, \"Hierarchy\").",
+        "K x G: ranks per shard group x replica groups. states: model states per rank (exact, the engine's "
+        "layout at K); secondary: stage-3 node-local copies;",
+        "buffers: the reducer's (exact). Bytes per step each rank sends inside its node and across nodes, and "
+        "what crosses each node's link each way (the job's bytes across / nodes);",
+        "time: alpha-beta, sub-collectives in sequence, no overlap; inter: its share spent on the link between "
+        "nodes."])
+
+
+def _bytes(b: float) -> str:
+    return f"{b / 2**30:.3g} GiB" if b >= 2**30 else f"{b / 2**20:.3g} MiB"
+
+
+def _gbs(beta: float) -> str:
+    return f"{1 / beta / 1e9:.3g}" if beta else "inf"
 
 
 OP_SHORT = {"reduce_scatter": "RS", "all_gather": "AG", "all_reduce": "AR"}
@@ -258,4 +310,6 @@ def render_dry_run(res: dict) -> str:
     out.append("time: this row's part (a layout is built once per N and shared by stages 0-2).")
     out.append("")
     out.append(render_buckets(res["runs"]))
+    if res.get("nodes"):
+        out += ["", render_nodes(res["nodes"])]
     return "\n".join(out)

@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import adamw_table as kt
 from ..kernels.adamw import adamw_scalars
+from ..kernels.streams import cupy_stream
 from .adamw import Segment, ShardedAdamW
 
 
@@ -177,8 +178,7 @@ class CupyExecutor:
         self._weights_key = None
 
     def _stream(self):
-        ptr = torch.cuda.current_stream(self.dev_id).cuda_stream
-        return self.cupy.cuda.ExternalStream(ptr, self.dev_id)
+        return cupy_stream(self.cupy, torch.cuda.current_stream(self.dev_id), self.dev_id)
 
     def _wrap(self, t: torch.Tensor | None):
         if t is None:

@@ -14,12 +14,12 @@
 """
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
 
 from ..device import Placement
+from ..runtime.console import say
 
 ALIGN_BYTES = 256  # every slice of an arena starts on a 256-byte boundary (CUDA's allocator's)
 
@@ -225,10 +225,4 @@ class Store:
 
 def log_rank0(msg: str) -> None:
     """One line on stderr from world rank 0 (or from a process without MPI)."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    try:
-        if MPI is not None and MPI.Is_initialized() and MPI.COMM_WORLD.Get_rank() != 0:
-            return
-    except Exception:  # noqa: BLE001
-        pass
-    print(f"zerompi: {msg}", file=sys.stderr, flush=True)
+    say(msg)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                         VocabParallelLMHead, padded_vocab_size,
                                         vocab_parallel_cross_entropy)
+from ..config.errors import ConfigError
 from ..models.gpt import GPT
 
 __all__ = ["parallelize", "check_tp", "VocabParallelCrossEntropy"]
@@ -52,16 +53,15 @@ class VocabParallelCrossEntropy:
 
 
 def check_tp(cfg, tp_size: int) -> None:
-    """ValueError, naming tensor_parallel_size and the model field, when `cfg` cannot be
+    """ConfigError, naming tensor_parallel_size and the model field, when `cfg` cannot be
     split over `tp_size` ranks."""
     for field, n in (("n_head", cfg.n_head), ("4*n_embd", 4 * cfg.n_embd)):
         if n % tp_size:
-            raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: must divide the "
-                             f"model's {field} ({n})")
+            raise ConfigError("tensor_parallel_size", tp_size, f"must divide the model's {field} ({n})")
     if tp_size > 1 and cfg.dropout > 0:
-        raise ValueError(f"config key 'tensor_parallel_size' = {tp_size}: the model's dropout "
-                         f"({cfg.dropout}) must be 0 (dropout inside tensor-parallel regions "
-                         "is not supported yet)")
+        raise ConfigError("tensor_parallel_size", tp_size,
+                          f"the model's dropout ({cfg.dropout}) must be 0 (dropout inside "
+                          "tensor-parallel regions is not supported)")
 
 
 def parallelize(model: GPT, tp) -> GPT:

@@ -45,14 +45,6 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.shape) if s is None else tuple(s.full_shape)
 
 
-def _strides(shape) -> list[int]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= int(d)
-    return out[::-1]
-
-
 def full_ranges(p_shape: tuple[int, ...], split: TPSplit | None, lo: int, hi: int
                 ) -> list[tuple[int, int, int]]:
     """The local row-major element range [lo, hi) of a parameter of shape `p_shape` as

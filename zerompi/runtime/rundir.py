@@ -21,13 +21,13 @@ import json
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
 from .abort import JobError
 from .agree import agree
+from .console import say
 
 LOCK = ".lock"
 HEARTBEAT_S = 30.0
@@ -201,8 +201,7 @@ def claim(run_dir: str | os.PathLike, world, local_rank: int) -> RunLock | None:
     if local_rank == 0:
         removed = clean_dead_shm()
         if removed:
-            print(f"zerompi: removed {len(removed)} shared-memory segment(s) of dead jobs from /dev/shm",
-                  file=sys.stderr, flush=True)
+            say(f"removed {len(removed)} shared-memory segment(s) of dead jobs from /dev/shm", rank=0)
     lock, err = None, None
     if world.rank == 0:
         try:
@@ -215,5 +214,5 @@ def claim(run_dir: str | os.PathLike, world, local_rank: int) -> RunLock | None:
     if problems:
         raise RunDirBusy(problems[0][2])
     if lock is not None and lock.took_over:
-        print(f"zerompi: run directory {run_dir}: {lock.took_over}", file=sys.stderr, flush=True)
+        say(f"run directory {run_dir}: {lock.took_over}", rank=0)
     return lock

@@ -311,7 +311,21 @@ def _ask_peers(MPI, op, step) -> str:
     return "; " + "; ".join(parts) if parts else ""
 
 
+_rank_namer = None  # COMM_WORLD ranks -> "ranks 2, 3 (all of node n2)" (ParallelDims sets it)
+
+
+def name_ranks_with(namer) -> None:
+    """Name the ranks in messages with `namer(ranks) -> str` (their nodes)."""
+    global _rank_namer
+    _rank_namer = namer
+
+
 def _ranks(qs: list[int]) -> str:
+    if _rank_namer is not None and len(qs) <= 16:
+        try:
+            return _rank_namer(qs)
+        except Exception:  # a diagnosis must never stop the abort
+            pass
     if len(qs) == 1:
         return f"rank {qs[0]}"
     shown = ", ".join(map(str, qs[:16])) + (f" and {len(qs) - 16} more" if len(qs) > 16 else "")

@@ -32,6 +32,7 @@ from ..optim import ShardedAdamW, build_groups, build_segments
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
 from . import flat, grads, load_full, state_io
+from . import groups as groups_mod
 from . import layout as layout_mod
 from .layout import PARTS
 from .params import sync_untracked
@@ -58,9 +59,7 @@ def _placement(named: list) -> Placement:
 
 def _check_dims_device(dims, placement: Placement) -> None:
     """GPU tensors need communicators that move them; the grid is built per device."""
-    from .. import comm as comm_mod
-
-    if placement.is_cuda and not comm_mod.carries_gpu_tensors(dims.dp):
+    if placement.is_cuda and not dims.dp.carries_gpu_tensors:
         raise ValueError(f"the model is on {placement.device} but the process grid's communicators "
                          "move host tensors only: build it with ParallelDims.from_config(config, "
                          "device=...) or let initialize() build it (dims=None)")
@@ -114,12 +113,15 @@ class ZeroEngine:
         # sync: one pickled allgather at set-up, so diverging ranks fail here, named
         runtime.check_same_everywhere(dims.world, config_mod.to_dict(cfg),
                                       [(n, tuple(p.shape)) for n, p in plan.order])
-        self.layout = layout = layout_mod.flat_layout(plan, self.world, cfg, bucket, at_least)
-        own = layout_mod.owned(layout, cfg.stage, self.rank)
+        # where states are partitioned (shard_group, comm.hierarchical; zero/groups.py): the
+        # layout spans the K ranks of a shard group, replicated over N / K groups
+        self.groups = sg = groups_mod.build(dims, cfg, cfg.stage)
+        self.layout = layout = layout_mod.flat_layout(plan, sg.size, cfg, bucket, at_least, sg.replicas)
+        own = layout_mod.owned(layout, cfg.stage, sg.shard_rank)
         self.state = layout_mod.shard_state(layout, own, placement, cfg.stage, cfg.precision,
                                             cfg.grad_accum_dtype, offload=cfg.offload_optimizer == "cpu")
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
-                                       self.comm, cfg, owns_all=parts.owns_all)
+                                       sg.shard, cfg, owns_all=parts.owns_all, groups=sg)
         sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
         ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
@@ -129,13 +131,13 @@ class ZeroEngine:
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
-        self.reducer = grads.GradReducer(self.params, layout, self.comm, parts.reduction, self.state,
-                                         cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype))
-        self.reducer.poll = self.param_store.serve
-        if self.param_store.serve is not None and dims.tp.size > 1 and hasattr(dims.tp, "idle"):
+        self.reducer = grads.GradReducer(self.params, layout, sg.reduce, parts.reduction, self.state,
+                                         cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype),
+                                         poll=self.param_store.serve)
+        if self.param_store.serve is not None and dims.tp.size > 1:
             # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may
             # need this rank in a stage-3 round first (a cycle over dp x tp otherwise)
-            dims.tp.idle = self.param_store.serve
+            dims.tp.set_idle(self.param_store.serve)
         self.micro_steps = 0      # engine.step() calls
         self.global_steps = 0     # optimizer updates applied
         self.skipped_steps = 0    # fp16 overflow skips
@@ -257,6 +259,8 @@ class ZeroEngine:
             local = float(norm_sq)
         if self.parts.owns_all:
             local /= self.world  # every rank holds the whole reduced gradient
+        else:
+            local /= self.groups.replicas  # each shard is held by every replica group
         # sync: one float64 all-reduce; every rank decides overflow/clipping identically
         comm = self.comm if self.dims.tp_size == 1 else self.dims.world
         vals = comm.allreduce_scalars([local] + self.reducer.used)

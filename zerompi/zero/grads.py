@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -52,7 +52,8 @@ class GradReducer:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, comm, mode: str,
-                 state: ShardState, bucket_count: int, reduce_dtype: torch.dtype):
+                 state: ShardState, bucket_count: int, reduce_dtype: torch.dtype,
+                 poll: "Callable[[], None] | None" = None):
         if mode not in MODES:
             raise ValueError(f"gradient reduction {mode!r}: one of {MODES}")
         self.params, self.layout, self.comm, self.mode = list(params), layout, comm, mode
@@ -84,7 +85,7 @@ class GradReducer:
         self.recorded = False            # launch order learnt from a real backward yet?
         self.completed: list[int] = []   # blocks in the order they became complete
         self.blocks_left = [0] * len(self.params)
-        self.poll = None                 # called while waiting for a bucket (stage 3: serve)
+        self.poll = poll                 # called while waiting for a bucket (stage 3: serve)
         self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                         for i, p in enumerate(self.params)]
         self.attach_grads()
@@ -204,7 +205,3 @@ class GradReducer:
             else:
                 self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res)
         self.slots_free.append(slot)
-
-    def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()

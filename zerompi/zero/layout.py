@@ -48,9 +48,10 @@ def plan(model, trainable: list, cfg, stage: int, bucket_size: int, at_least: bo
                                    coalesce_below=coalesce_target(cfg.stage3, bucket_size, at_least))
 
 
-def flat_layout(p: Plan, world: int, cfg, bucket_size: int, at_least: bool) -> FlatLayout:
+def flat_layout(p: Plan, world: int, cfg, bucket_size: int, at_least: bool, replicas: int = 1) -> FlatLayout:
+    """Over `world` ranks (a shard group's K), replicated over `replicas` groups."""
     return FlatLayout([q.numel() for _, q in p.order], world, bucket_size, cfg.alignment,
-                      units=p.unit_sizes, at_least=at_least)
+                      units=p.unit_sizes, at_least=at_least, replicas=replicas)
 
 
 def owned(layout: FlatLayout, stage: int, rank: int) -> list[Chunk]:

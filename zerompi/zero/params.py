@@ -73,15 +73,17 @@ class ReplicatedParams:
         return Plan(order=trainable[::-1])
 
     def __init__(self, plan: Plan, params: list, names: list[str], layout, state, comm, cfg,
-                 owns_all: bool):
+                 owns_all: bool, groups=None):
+        # comm: the shard group (gathers); dp: every data-parallel rank (rank 0's values)
         self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
+        self.dp = groups.dp if groups is not None else comm
         self.owns_all = owns_all
         for p in params:  # built under zerompi.Init: assemble the full values first
             if hasattr(p, "_zero_init"):
                 p.data = adopt(p).to(p.dtype)
         full32 = state.scratch_full32()
         flat.pack_into(full32, params, layout)
-        comm.broadcast(full32, root=0)  # identical start everywhere: rank 0's values
+        self.dp.broadcast(full32, root=0)  # identical start everywhere: rank 0's values
         state.set_full(full32)
         del full32
         flat.bind_params(params, state.flat_param, layout)
@@ -138,7 +140,7 @@ class ReplicatedParams:
         yield
         if modifier_rank is not None:
             for p in params:  # contiguous views of flat_param
-                self.comm.broadcast(p.data, root=modifier_rank)
+                self.dp.broadcast(p.data, root=modifier_rank)
         st = self.state
         if st.master is not None:  # else (fp32, on the device) flat_param is the master itself
             for sp in self.layout.spans(st.own):

@@ -105,12 +105,17 @@ class FlatLayout:
     Each span is cut into balanced blocks (`split_span`): at most `block` elements each
     (rounded up to a multiple of world * align), or with at_least=True at least `block`
     each when the span holds that many (and below (1 + 1/nb) x block). `self.block` is
-    the largest block actually used: buffers are sized from it."""
+    the largest block actually used: buffers are sized from it.
+
+    `replicas` (hybrid sharding, zero/groups.py: `world` ranks per shard group, the
+    layout replicated over `replicas` groups): blocks are multiples of world x replicas
+    x align, so each chunk splits evenly over the replicas for the all-reduce across
+    groups; the blocks (and padding) are then those of the flat layout over all ranks."""
 
     def __init__(self, numels: Sequence[int], world: int, block: int, align: int = 1,
-                 units: Sequence[int] | None = None, at_least: bool = False):
-        if world < 1:
-            raise ValueError(f"world size must be >= 1, got {world}")
+                 units: Sequence[int] | None = None, at_least: bool = False, replicas: int = 1):
+        if world < 1 or replicas < 1:
+            raise ValueError(f"world size and replicas must be >= 1, got {world} and {replicas}")
         if align < 1:
             raise ValueError(f"alignment must be >= 1, got {align}")
         if any(n < 0 for n in numels):
@@ -119,8 +124,8 @@ class FlatLayout:
         if sum(units) != len(numels) or any(u < 0 for u in units):
             raise ValueError(f"units {units} do not partition {len(numels)} parameters")
         self.numels = [int(n) for n in numels]
-        self.world, self.align = int(world), int(align)
-        unit = self.world * self.align
+        self.world, self.align, self.replicas = int(world), int(align), int(replicas)
+        unit = self.world * self.replicas * self.align
         offsets, pos, i, spans = [], 0, 0, []
         for count in units:
             start = pos

@@ -33,6 +33,7 @@ from . import flat, gather_pool, units as units_mod
 from .init_context import adopt
 from .rounds import Rounds
 from .params import Plan, keep_changes
+from .secondary import Secondary
 
 class _Unit:
     def __init__(self, idx: int, name: str, roots, params: list[int], blocks: range,
@@ -45,6 +46,7 @@ class _Unit:
         self.slot = None     # the pool slot lent to `full` while gathered
         self.state = "free"  # free | inflight | ready
         self.handles: list = []
+        self.fill = False    # a primary gather in flight whose values the secondary copy keeps
         self.pending = 0     # parameters whose gradient has not accumulated yet
 
     @property
@@ -66,14 +68,14 @@ class PartitionedParams:
     plan = staticmethod(units_mod.plan)
 
     def __init__(self, plan: Plan, params: list, names: list[str], layout, state, comm, cfg,
-                 owns_all: bool = False):
+                 owns_all: bool = False, groups=None):
+        # comm: the shard group (gathers, rounds); dp: every data-parallel rank (rank 0's values)
         self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
+        dp = self.dp = groups.dp if groups is not None else comm
         self.cfg, self.model = cfg.stage3, plan.model
         # Gathers on a private duplicate (counted with the group's traffic); rounds
         # (rounds.py) on another (control messages, not the paper's traffic).
-        self.gcomm = comm.split(0, comm.rank)
-        if hasattr(comm, "_stats"):
-            self.gcomm._stats = comm._stats
+        self.gcomm = comm.duplicate()
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
@@ -99,16 +101,16 @@ class PartitionedParams:
                 o, n = layout.offsets[i] - unit.lo, layout.numels[i]
                 piece = getattr(p, "_zero_init", None)
                 if piece is not None:
-                    if piece.world != comm.size:
+                    if piece.world != dp.size:
                         raise ValueError(f"parameter {names[i]} was built under zerompi.Init over "
                                          f"{piece.world} ranks, but the engine's data-parallel group "
-                                         f"has {comm.size}: pass the same dims to Init and initialize")
+                                         f"has {dp.size}: pass the same dims to Init and initialize")
                     full32[o:o + n].copy_(adopt(p).reshape(-1))
                 else:
                     full32[o:o + n].copy_(p.detach().reshape(-1))
                     from_rank0 = True
             if from_rank0:
-                comm.broadcast(full32, root=0)
+                dp.broadcast(full32, root=0)
             state.set_full(full32, blocks=blocks, base=unit.lo)
             if pooled and dtype != torch.float32:
                 unit.full.copy_(full32)
@@ -127,6 +129,8 @@ class PartitionedParams:
             else:
                 _free(unit.full)
             self.units.append(unit)
+        sec = groups.secondary if groups is not None else None  # zero/secondary.py
+        self.secondary = Secondary(sec, layout, self.units, pl, dtype) if sec is not None else None
         self._live = 0  # gathered elements of non-persistent units
         self._trim = HeapTrimmer(pl)  # host: backward's freed transients back to the OS
         self._phase = "idle"
@@ -174,7 +178,10 @@ class PartitionedParams:
         self.rounds.serve()
 
     def after_update(self) -> None:
-        """Only persistent units are kept gathered: refresh them from the new shards."""
+        """Only persistent units are kept gathered: refresh them from the new shards.
+        Secondary copies hold the old values: invalid until the next forward gather."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
         for u in self.units:
             if u.persistent:
                 u.state = "free"
@@ -226,9 +233,14 @@ class PartitionedParams:
             else:
                 _alloc(u.full)
             self._live += u.size
-        shard = self.state.shard_param
-        u.handles = [self.gcomm.all_gather(shard[sp.shard], u.full[sp.block], async_op=True)
-                     for sp in self.layout.spans(self.state.own, u.blocks, u.lo)]
+        sec = self.secondary
+        if sec is not None and sec.usable(u, self._phase):  # backward: inside the node only
+            u.handles, u.fill = sec.gather(u), False
+        else:
+            shard = self.state.shard_param
+            u.handles = [self.gcomm.all_gather(shard[sp.shard], u.full[sp.block], async_op=True)
+                         for sp in self.layout.spans(self.state.own, u.blocks, u.lo)]
+            u.fill = sec is not None and not u.persistent
         u.state = "inflight"
 
     def _wait(self, u: _Unit) -> None:
@@ -237,6 +249,9 @@ class PartitionedParams:
                 h.wait()
             u.handles = []
             u.state = "ready"
+            if u.fill:  # a primary gather: keep this rank's slice for backward
+                self.secondary.fill(u)
+                u.fill = False
 
     def _release(self, u: _Unit) -> None:
         if u.persistent or u.state == "free":
@@ -325,9 +340,11 @@ class PartitionedParams:
             yield
         finally:
             st = self.state
+            if self.secondary is not None:
+                self.secondary.invalidate()
             for u in units:
                 if modifier_rank is not None:
-                    self.comm.broadcast(u.full, root=modifier_rank)
+                    self.dp.broadcast(u.full, root=modifier_rank)
                 for sp in self.layout.spans(st.own, u.blocks, u.lo):
                     new, old = u.full[sp.mine], st.shard_param[sp.shard]
                     if st.master is not None:  # keep fp32 precision where the value did not change
@@ -344,9 +361,11 @@ class PartitionedParams:
         """persistent: the always-gathered unit; gathered: units gathered now (pool slots
         lent, a slot may be larger than its unit, plus fallbacks); gather_pool: the pool's
         fixed slots, lent or not; gather_fallbacks: how many times a gather found no free
-        slot and allocated a fresh buffer (a count, not bytes)."""
+        slot and allocated a fresh buffer (a count, not bytes); secondary: the node-local
+        copies of zero.stage3.secondary_partition."""
         pool = self.pool
         return {"persistent": sum(flat.nbytes(u.full) for u in self.units if u.persistent),
+                "secondary": self.secondary.nbytes if self.secondary is not None else 0,
                 "gathered": sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent),
                 "gather_pool": pool.nbytes if pool is not None else 0,
                 "gather_fallbacks": pool.fallbacks if pool is not None else 0}

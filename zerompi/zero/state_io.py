@@ -3,7 +3,8 @@
 Ranges are in the row-major order of the *full* tensor: a tensor-parallel parameter's
 local pieces map onto runs of the full tensor (parallel/tp_layout.py), padding left
 out. Each element of every parameter is exported by exactly one rank (stage 0: dp rank 0
-holds and writes all; a parameter replicated over tp: tp rank 0), so the checkpoint is
+holds and writes all; a parameter replicated over tp: tp rank 0; shard groups replicated
+over groups, zero.shard_group: the first group), so the checkpoint is
 independent of world size, tp size and stage; loading asks each rank for the ranges it
 owns now and fills them.
 """
@@ -18,8 +19,8 @@ STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 def _exporting_segments(engine) -> list:
-    if engine.parts.owns_all and engine.rank != 0:
-        return []
+    if (engine.parts.owns_all and engine.rank != 0) or engine.groups.replica_rank != 0:
+        return []  # replicas of the same pieces: one rank (group) writes each
     segs = engine.optimizer.segments
     if engine.dims.tp_rank != 0:  # replicas of tp-replicated parameters: tp rank 0 writes
         segs = [s for s in segs if tp_layout.split_of(engine.params[s.param]) is not None]
@@ -119,7 +120,7 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     """The reduced, unscaled fp32 gradient of the global batch, keyed by parameter
     name, on every rank. Valid after the boundary micro-step's backward and before
     step() (for debugging and tests; it materialises the whole gradient)."""
-    st, comm, layout = engine.state, engine.comm, engine.layout
+    st, comm, layout = engine.state, engine.groups.shard, engine.layout
     if engine.parts.owns_all:
         full = st.flat_grad.float()
     else:
