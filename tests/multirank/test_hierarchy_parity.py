@@ -17,9 +17,7 @@ depend on the bucket size; a run resumed in the same mode equals the uninterrupt
 """
 from __future__ import annotations
 
-import pytest
-
-from mpirun import run_worker
+from batch import batched, worker
 from hierarchy_checks import cases as _cases, parity as _parity, same as _same
 from parity_checks import ULP1
 
@@ -27,24 +25,21 @@ FORCE = {"ZEROMPI_RANKS_PER_NODE": "2"}
 GAS = 2
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hier")
-    ckpt = tmp / "ckpt"
-    a = run_worker(4, "hierarchy", ["--save", str(ckpt), "--load", str(ckpt)], tmp, env=FORCE, timeout=400)
-    b = run_worker(4, "hierarchy", ["--tp", "2", "--load", str(ckpt),
-                                    "--cases", "fp32/s3/node<fp32/s2/node,fp32/s1/two<fp32/s2/node"],
-                   tmp, env=FORCE, timeout=300)
-    c = run_worker(4, "hierarchy", ["--model", "moe1", "--unit-classes", "Sequential,Linear",
-                                    "--cases", "fp32/s3/two,fp32/s3/node,fp32/s3/sec2"], tmp, env=FORCE, timeout=300)
-    return a, b, c
+# One launch of 4 ranks for all three (tests/support/batch.py): A saves the checkpoints that
+# B resumes at tp 2 (in the session's batch directory, {tmp}); C is the mixture of experts.
+A = worker(4, "hierarchy", "--save", "{tmp}/hier_ckpt", "--load", "{tmp}/hier_ckpt", env=FORCE, timeout=400)
+B = worker(4, "hierarchy", "--tp", "2", "--load", "{tmp}/hier_ckpt",
+           "--cases", "fp32/s3/node<fp32/s2/node,fp32/s1/two<fp32/s2/node", env=FORCE, needs=(A,), timeout=300)
+C = worker(4, "hierarchy", "--model", "moe1", "--unit-classes", "Sequential,Linear",
+           "--cases", "fp32/s3/two,fp32/s3/node,fp32/s3/sec2", env=FORCE, timeout=300)
 
 
-def test_every_mode_matches_adamw(runs):
-    """Every case of both launches within the parity tolerance; the modes are what the
+@batched(lambda: (A, B))
+def test_every_mode_matches_adamw(result):
+    """Every case of A and B within the parity tolerance; the modes are what the
     keys ask for on 2 nodes of 2 (two-level: 4 ranks; node: 2 x 2; k1: 1 x 4;
     at tp 2 the dp group has one rank per node, so "node" is groups of 1)."""
-    a, b, _ = runs
+    a, b = result
     for r in (a, b):
         for name, d in _cases(r).items():
             _parity(r, name, d)
@@ -58,27 +53,30 @@ def test_every_mode_matches_adamw(runs):
         [("hybrid", 1, 2), ("two-level", 2, 1)]
 
 
-def test_divergent_units_gather_in_agreement(runs):
+@batched(lambda: C)
+def test_divergent_units_gather_in_agreement(result):
     """Ranks run different experts: the agreement rounds decide every gather while the
     chains of two-level and hybrid collectives are in flight (no hang: every wait polls
     them), parity holds, units were gathered for a peer only, the secondary copy is used."""
-    c = runs[2]
+    c = result
     for name, d in _cases(c).items():
         _parity(c, name, d)
         assert d["foreign"] > 0, (name, d["foreign"])
     assert _cases(c)["fp32/s3/sec2"]["secondary_fills"] > 0
 
 
-def test_bf16_modes_within_the_floor_of_flat(runs):
-    a = runs[0]
+@batched(lambda: A)
+def test_bf16_modes_within_the_floor_of_flat(result):
+    a = result
     tol = 16 * max(a["floor"], ULP1)
     checked = [(n, d["diff_flat"]) for n, d in _cases(a).items() if n.startswith("bf16") and "<" not in n
                and "/flat" not in n]
     assert len(checked) == 7 and all(diff is not None and diff <= tol for _, diff in checked), (checked, tol)
 
 
-def test_bitwise_where_the_order_is_the_same(runs):
-    a = runs[0]
+@batched(lambda: A)
+def test_bitwise_where_the_order_is_the_same(result):
+    a = result
     c = _cases(a)
     pairs = [  # the secondary partition only copies values
         ("fp32/s3/sec+save", "fp32/s3/flat"), ("fp32/s3/sec2", "fp32/s3/two"), ("bf16/s3/sec2", "bf16/s3/two"),
@@ -96,7 +94,8 @@ def test_bitwise_where_the_order_is_the_same(runs):
     assert c["fp32/s3/flat"]["losses"][0] == c["fp32/s3/two"]["losses"][0]  # the first forward: no sum yet
 
 
-def test_memory_and_traffic_are_the_estimators(runs):
+@batched(lambda: A)
+def test_memory_and_traffic_are_the_estimators(result):
     """Per-rank model states, the secondary copies and the collectives of one step
     (comm_stats(): calls counted as the logical ops, the hybrid all-reduce of each shard
     across groups included) equal what the estimator computes for the same mode."""
@@ -110,7 +109,7 @@ def test_memory_and_traffic_are_the_estimators(runs):
     spec = from_shape("hierarchy-test", _gpt_cfg())
     modes = {"flat": "flat", "two": "two-level", "node": "hybrid node", "k1": None, "sec": "secondary",
              "sec2": "secondary + two-level"}
-    a, runners = runs[0], {}
+    a, runners = result, {}
     for name, d in _cases(a).items():
         prec, stage, mode, *rest = name.split("<")[0].removesuffix("+save").split("/")
         stage, bucket = int(stage[1:]), int(rest[0][1:]) if rest else 2000
