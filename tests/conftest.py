@@ -32,6 +32,30 @@ def _launches_mpi(module) -> bool:
     return any(v is f for v in vars(module).values() for f in launchers)
 
 
+# Tests that must share a pytest-xdist worker (run.sh: -n 2 --dist loadgroup), by what
+# they share: a session's Slurm cluster, its simulated nodes, the base checkpoints, or
+# (batched cases) the one launch per world size; every other multirank/ or system/ file
+# stays on one worker, so its module fixtures are built once.
+FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
+OWN_NODES = ("test_multinode_loss.py",)  # builds simulated nodes and a Slurm of its own
+
+
+def _xdist_group(item, rel: tuple) -> str | None:
+    for fixture, group in FIXTURE_GROUPS.items():
+        if fixture in item.fixturenames:
+            return group
+    if rel[-1] in OWN_NODES:
+        return "netns"
+    if "result" in item.fixturenames:
+        from batch import _flat, cases_of
+
+        value = cases_of(item)
+        sizes = sorted({c.n for c in _flat(value)}) if value is not None else []
+        return "batch-n" + "-".join(map(str, sizes))
+    return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.path)).resolve()
@@ -46,6 +70,9 @@ def pytest_collection_modifyitems(config, items):
                                     "move it to tests/multirank/ or tests/system/")
         for m in sorted(marks):
             item.add_marker(m)
+        group = _xdist_group(item, rel)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
