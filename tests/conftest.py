@@ -34,7 +34,7 @@ def _launches_mpi(module) -> bool:
 
 # Tests that must share a pytest-xdist worker (run.sh: -n 2 --dist loadgroup), by what
 # they share: a session's Slurm cluster, its simulated nodes, the base checkpoints, or
-# (batched cases) the one launch per world size; every other multirank/ or system/ file
+# (batched cases) the launches per world size; every other multirank/ or system/ file
 # stays on one worker, so its module fixtures are built once.
 FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
 OWN_NODES = ("test_multinode_loss.py",)  # builds simulated nodes and a Slurm of its own
@@ -46,12 +46,8 @@ def _xdist_group(item, rel: tuple) -> str | None:
             return group
     if rel[-1] in OWN_NODES:
         return "netns"
-    if "result" in item.fixturenames:
-        from batch import _flat, cases_of
-
-        value = cases_of(item)
-        sizes = sorted({c.n for c in _flat(value)}) if value is not None else []
-        return "batch-n" + "-".join(map(str, sizes))
+    if "result" in item.fixturenames:  # a worker runs every planned case of a size it needs,
+        return "batch"                  # and some tests need two sizes (a resume at another N)
     return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
 
 
