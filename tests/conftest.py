@@ -38,9 +38,6 @@ def _launches_mpi(module) -> bool:
 # stays on one worker, so its module fixtures are built once.
 FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
 OWN_NODES = ("test_multinode_loss.py",)  # builds simulated nodes and a Slurm of its own
-# Races two clocks (the job's comm deadline against Slurm's node timeout): run.sh runs it
-# after the xdist workers, alone, so the other worker's load cannot decide the race.
-SERIAL = ("test_multinode_loss.py",)
 
 
 def _xdist_group(item, rel: tuple) -> str | None:
@@ -69,8 +66,6 @@ def pytest_collection_modifyitems(config, items):
                                     "move it to tests/multirank/ or tests/system/")
         for m in sorted(marks):
             item.add_marker(m)
-        if rel[-1] in SERIAL:
-            item.add_marker("serial")
         group = _xdist_group(item, rel)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))

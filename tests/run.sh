@@ -29,9 +29,4 @@ fi
 # System packages for the real-Slurm, h5ls/h5dump and simulated-node (ip, tc, nsenter)
 # tests (they skip where these cannot be installed, e.g. without root).
 bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools iproute2 util-linux
-if [ ${#workers[@]} = 0 ]; then exec python -m pytest -q -rs tests "$@"; fi
-# The `serial` tests after the parallel part, alone (exit 5: none selected by "$@").
-rc=0
-python -m pytest -q -rs "${workers[@]}" -m "not serial" tests "$@" || rc=$?
-python -m pytest -q -rs -m serial tests "$@" || { r=$?; [ "$r" = 5 ] || rc=$r; }
-exit "$rc"
+exec python -m pytest -q -rs "${workers[@]}" tests "$@"
