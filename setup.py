@@ -35,7 +35,7 @@ setup(
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         # transformers: tests build BERT, T5, GPT-2, Llama, Mixtral from configs (no download);
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time
-        "test": ["pytest>=7", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
     },
     entry_points={"console_scripts": [
         "zerompi-train=zerompi.train:main",

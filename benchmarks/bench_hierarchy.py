@@ -3,7 +3,7 @@ against the estimator's prediction, and stage-3 step times against flat stage 3.
 
     python benchmarks/bench_hierarchy.py [--rate-mbit 100] [--repeats 2] [--out results/hierarchy]
 
-2 nodes x 2 ranks (tests/netcluster.py: network namespaces, MPI over TCP between nodes
+2 nodes x 2 ranks (tests/support/netcluster.py: network namespaces, MPI over TCP between nodes
 and shared memory inside, each node's egress shaped by tc tbf to --rate-mbit). Each run
 is one mpiexec of hierarchy_worker.py (a 4.84M-parameter GPT, fp32, one 64-token sequence
 per rank): warm-up steps, then the driver reads both nodes' veth counters around the
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench_env import ROOT, machine_info, software_info
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from netcluster import NetCluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

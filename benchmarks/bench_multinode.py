@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """2 nodes x 2 ranks against 1 node x 4 ranks, ZeRO stages 0-3, on simulated nodes
-(tests/netcluster.py: network namespaces, a bridge, `tc tbf` on each node's link), next
+(tests/support/netcluster.py: network namespaces, a bridge, `tc tbf` on each node's link), next
 to what `python -m zerompi.estimate --ranks-per-node 2 --nics-per-node 1` predicts for
 the same link and the mode each run ran (zerompi/estimate/hierarchy.py; issues 25, 26).
 
@@ -46,7 +46,7 @@ from pathlib import Path
 from bench_env import ROOT, machine_info
 from calibrate_comm import _children_cpu, _cpu_busy, wait_quiet
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 PAYLOAD_SHARE = 1448 / 1514  # TCP payload per wire byte, full frames, MTU 1500, timestamps on
 BYTES_TOL, TIME_TOL = 0.10, 0.30
 

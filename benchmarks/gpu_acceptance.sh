@@ -143,10 +143,10 @@ MPI_OK=0
 grep -q "^STEP mpi ok" "$LOG" && MPI_OK=1
 
 # 3 ---------------------------------------------------------------- kernels, no MPI
-pytest_step kernel-tests 120 30 kernels_junit.xml tests/test_kernels_gpu.py \
-    tests/test_placement.py::test_pinned_host_placement \
-    tests/test_placement.py::test_cuda_placement_allocates_on_the_device \
-    tests/test_comm_gpu.py::test_nccl_dtype_map_matches_cupy
+pytest_step kernel-tests 120 30 kernels_junit.xml tests/unit/test_kernels_gpu.py \
+    tests/unit/test_placement.py::test_pinned_host_placement \
+    tests/unit/test_placement.py::test_cuda_placement_allocates_on_the_device \
+    tests/unit/test_nccl_module.py::test_nccl_dtype_map_matches_cupy
 
 # 4 ---------------------------------------------------------------- kernel bandwidth
 if [ "$GPU" = True ]; then
@@ -161,9 +161,9 @@ if [ "$MPI_OK" = 1 ]; then
     par=()
     if [ "$GPU" = True ] && "$PY" -c "import xdist" 2>/dev/null; then par=(-n 4); fi
     ZEROMPI_TEST_LAUNCH_CAP=150 pytest_step mpi-gpu-tests 180 60 mpi_junit.xml "${par[@]}" \
-        tests/test_gpu_engine.py tests/test_comm_gpu.py::test_staged_collectives_on_gpu \
-        tests/test_comm_gpu.py::test_nccl_collectives_one_rank_per_gpu \
-        tests/test_device.py::test_local_ranks_and_detection
+        tests/multirank/test_engine_gpu.py tests/multirank/test_comm_gpu.py::test_staged_collectives_on_gpu \
+        tests/multirank/test_comm_gpu.py::test_nccl_collectives_one_rank_per_gpu \
+        tests/multirank/test_device.py::test_local_ranks_and_detection
 else
     report mpi-gpu-tests skip 0 "no working MPI (step mpi)"
 fi
@@ -190,7 +190,7 @@ e2e e2e 120 "$OUT/e2e.json" --preset "$PRESET" --micro 8 --seq 1024 --train-step
     -- --stages 0,3 --train-steps 30
 
 # 7 ---------------------------------------------------------------- if time is left
-pytest_step build-tests 60 20 build_junit.xml tests/test_kernels_build.py -k "nvcc_compiles or nvrtc_compiles"
+pytest_step build-tests 60 20 build_junit.xml tests/unit/test_kernels_build.py -k "nvcc_compiles or nvrtc_compiles"
 e2e e2e-1b 120 "$OUT/e2e_1b.json" --preset gpt-1b --micro 4 --seq 1024 --stages 2,3 --offload \
     --warmup 2 --steps 5 --profile-stage -1 -- --stages 2 --offload --profile-stage -1
 

@@ -1,9 +1,103 @@
+"""The suite's tiers, markers and shared fixtures (layout: tests/README.md).
+
+A test's directory is its tier: unit/ runs in this process, multirank/ starts mpiexec
+jobs, system/ drives the command lines, Slurm, the installer and failures end to end.
+The collection hook turns that, and what a test uses, into the markers of pytest.ini:
+  mpi     multirank/, `result` (batched cases), or a module that imports a launcher of
+          support/mpirun.py (a test file outside the tiers, too)
+  slurm   the `slurm_cluster` or `net_slurm` fixture
+  system  system/, or the simulated nodes of `net_nodes`;  gpu: the `cuda` fixture
+`bash tests/run.sh --quick` runs what has none of mpi, slurm, system.
+"""
+import sys
+from pathlib import Path
+
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+# The checkout first (in-process imports then see the zerompi the ranks see: mpirun.mpi_env
+# puts it on their PYTHONPATH), and tests/support/ by plain name (`from mpirun import ...`).
+sys.path[:0] = [str(TESTS.parent), str(TESTS / "support")]
+
+TIER_MARKS = {"multirank": ("mpi",), "system": ("system",)}
+FIXTURE_MARKS = {"result": ("mpi",), "ckpt_base": ("mpi",), "slurm_cluster": ("slurm", "system"),
+                 "net_nodes": ("system",), "net_slurm": ("slurm", "system"), "cuda": ("gpu",)}
+LAUNCHERS = ("run_mpi", "run_worker", "launch", "running_job", "train_job")
+
+
+def _launches_mpi(module) -> bool:
+    import mpirun
+
+    launchers = [getattr(mpirun, n) for n in LAUNCHERS if hasattr(mpirun, n)]
+    return any(v is f for v in vars(module).values() for f in launchers)
+
+
+# Tests that must share a pytest-xdist worker (run.sh: -n 2 --dist loadgroup), by what
+# they share: a session's Slurm cluster, its simulated nodes, the base checkpoints, or
+# (batched cases) the launches per world size; every other multirank/ or system/ file
+# stays on one worker, so its module fixtures are built once.
+FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
+OWN_NODES = ("test_multinode_loss.py",)  # builds simulated nodes and a Slurm of its own
+
+
+def _xdist_group(item, rel: tuple) -> str | None:
+    for fixture, group in FIXTURE_GROUPS.items():
+        if fixture in item.fixturenames:
+            return group
+    if rel[-1] in OWN_NODES:
+        return "netns"
+    if "result" in item.fixturenames:  # a worker runs every planned case of a size it needs,
+        return "batch"                  # and some tests need two sizes (a resume at another N)
+    return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        rel = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ("",)
+        marks = set(TIER_MARKS.get(rel[0], ())) if len(rel) > 1 else set()
+        for fixture in item.fixturenames:
+            marks.update(FIXTURE_MARKS.get(fixture, ()))
+        if item.module is not None and _launches_mpi(item.module):
+            marks.add("mpi")
+        if rel[0] == "unit" and marks & {"mpi", "slurm", "system"}:
+            raise pytest.UsageError(f"{item.nodeid} is in tests/unit/ but needs {sorted(marks)}: "
+                                    "move it to tests/multirank/ or tests/system/")
+        for m in sorted(marks):
+            item.add_marker(m)
+        group = _xdist_group(item, rel)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture
+def cuda():
+    """Skips unless torch sees a CUDA device; tests that take it are marked `gpu`."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible (torch.cuda.is_available() is False)")
+    return torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="session")
+def batches(request, tmp_path_factory):
+    """The session's batched multi-rank cases, one launch per world size (support/batch.py)."""
+    from batch import Batches
+
+    return Batches(request.session, tmp_path_factory.mktemp("batches"))
+
+
+@pytest.fixture
+def result(request, batches):
+    """The results of the cases this test declares with @pytest.mark.batched(make)."""
+    return batches.results_for(request.node)
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A private single-node Slurm cluster on 127.0.0.1 (see tests/slurm_cluster.py).
+    """A private single-node Slurm cluster on 127.0.0.1 (see support/slurm_cluster.py).
 
     Skips when Slurm/munge are not installed (.ci/install_debian.sh) or we are not root;
     fails if they are installed but the cluster does not come up.
@@ -37,7 +131,7 @@ def ckpt_base(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def net_nodes():
-    """Two simulated nodes (tests/netcluster.py), unshaped until a test shapes them.
+    """Two simulated nodes (tests/support/netcluster.py), unshaped until a test shapes them.
     Skips with the reason where it cannot run (not root, no `ip netns`)."""
     from netcluster import NetCluster, available
 
@@ -50,7 +144,7 @@ def net_nodes():
 
 @pytest.fixture(scope="session")
 def net_slurm(net_nodes):
-    """Slurm across net_nodes (tests/netslurm.py): one slurmctld, one slurmd per node."""
+    """Slurm across net_nodes (tests/support/netslurm.py): one slurmctld, one slurmd per node."""
     from netslurm import NetSlurm
     from slurm_cluster import slurm_available
 

@@ -1,15 +1,32 @@
 #!/usr/bin/env bash
 # The test command of the README (and of .ci/run): installs everything the suite needs on
 # a fresh machine, then runs it. Safe to re-run: every step skips what is already there.
+#   bash tests/run.sh            every tier (tests/README.md)
+#   bash tests/run.sh --quick    the in-process tier only: no mpiexec, Slurm or end-to-end jobs
+# Further arguments go to pytest (e.g. -k parity, -x, tests/multirank/test_parity.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+    quick=1
+    shift
+fi
 
 # torch first, pinned: an unpinned torch would pull the newest CUDA build (several GB).
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[mpich,test]"
+export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
+# Two pytest-xdist workers (the `test` extra): while one waits (a Slurm job, a deadline, a
+# rank that sleeps) the other runs. The groups that must share a worker (one Slurm cluster,
+# one bed of simulated nodes, one launch per world size of the batched cases) are set by
+# tests/conftest.py; ZEROMPI_TEST_WORKERS=0 runs everything in this one process.
+workers=(-n "${ZEROMPI_TEST_WORKERS:-2}" --dist loadgroup)
+if [ "${ZEROMPI_TEST_WORKERS:-2}" = 0 ]; then workers=(); fi
+if [ "$quick" = 1 ]; then
+    exec python -m pytest -q -rs "${workers[@]}" -m "not mpi and not slurm and not system" tests "$@"
+fi
 # System packages for the real-Slurm, h5ls/h5dump and simulated-node (ip, tc, nsenter)
 # tests (they skip where these cannot be installed, e.g. without root).
 bash .ci/install_debian.sh slurmctld slurmd slurm-client munge hdf5-tools iproute2 util-linux
-
-export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
-exec python -m pytest -q -rs tests "$@"
+exec python -m pytest -q -rs "${workers[@]}" tests "$@"

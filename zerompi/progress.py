@@ -91,7 +91,7 @@ def finish_message(max_steps: int, start_step: int, elapsed: float) -> str:
 
 def batch_note(global_batch: int, grad_accum: int, dp: int) -> str | None:
     """A line for rank 0 when the batch does not split evenly over the ranks, or None.
-    Uneven rows are handled exactly (losses are weighted by rows; tests/test_train.py),
+    Uneven rows are handled exactly (losses are weighted by rows; tests/system/test_train.py),
     but silently wasting a rank's time surprised users, so say it."""
     from .data.tokens import shard_range
 

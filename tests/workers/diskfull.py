@@ -1,4 +1,4 @@
-"""Disk full during a save (tests/test_reliability.py): DIR is on a small tmpfs. Save
+"""Disk full during a save (tests/system/test_reliability.py): DIR is on a small tmpfs. Save
 checkpoint a, then rank 0 fills the filesystem until half of a's size is left, train
 a step and save b: every rank must get CheckpointError, DIR must hold a (intact) and no
 temporary directory. argv: DIR OUT [sync|async]. async: b is written in the background

@@ -1,5 +1,5 @@
 """One process, no mpiexec: the real engine's memory_report() and comm_stats() next to the
-estimator's dry run of the same model and config (tests/test_estimate.py)."""
+estimator's dry run of the same model and config (tests/unit/test_estimate.py)."""
 import json
 import sys
 

@@ -1,4 +1,4 @@
-"""Stuck-rank scenarios for tests/test_reliability.py, launched WITHOUT `-m mpi4py`:
+"""Stuck-rank scenarios for tests/system/test_reliability.py, launched WITHOUT `-m mpi4py`:
 zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
 
 stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the

@@ -1,5 +1,5 @@
 """Hierarchy modes (zero/groups.py) against single-process torch AdamW, many cases in one
-launch. Rank 0 writes {case: result} as JSON; tests/test_hierarchy_parity.py asserts.
+launch. Rank 0 writes {case: result} as JSON; tests/multirank/test_hierarchy_parity.py asserts.
 
 mpiexec -n 4 -env ZEROMPI_RANKS_PER_NODE 2 python hierarchy.py --out r.json
     [--cases fp32/s2/node,...] [--tp 2] [--save DIR] [--load DIR/TAG]
@@ -8,7 +8,7 @@ A case is PRECISION/sSTAGE/MODE[/bBUCKET][+save] (MODES below); PREC/sS/MODE<FRO
 resumes the checkpoint DIR/FROM (saved by case FROM at step --steps/2) in that mode and
 runs the second half. Every rank trains the same reference GPT (vocabulary 300, 2
 layers) on the same global batches; the reference and its noise floor (the same batch
-summed in pieces, tests/test_parity.py) are computed by ranks 0 and 1 side by side.
+summed in pieces, tests/multirank/test_parity.py) are computed by ranks 0 and 1 side by side.
 """
 from __future__ import annotations
 

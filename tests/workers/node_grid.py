@@ -1,6 +1,7 @@
-"""Where the ranks run, as ParallelDims sees it (tests/test_multinode_grid.py): node
-index, node-local rank, ranks per node, node names, the members of the node-local and
-cross-node groups (as world ranks), and a sum over each group."""
+"""Where the ranks run, as ParallelDims sees it (tests/multirank/test_node_grid.py,
+tests/system/test_multinode_grid.py): node index, node-local rank, ranks per node, node
+names, the members of the node-local and cross-node groups (as world ranks), and a sum
+over each group."""
 import argparse
 import json
 import socket

@@ -1,5 +1,5 @@
 """`python -m zerompi.train` with faults patched in, for the exits of asynchronous saves
-(tests/test_checkpoint_async_train.py). Environment:
+(tests/system/test_checkpoint_async_train.py). Environment:
   ZEROMPI_TEST_SLOW_WRITE=s   each background rank-file write starts s seconds late, so a
                               save stays in flight for several steps
   ZEROMPI_TEST_RAISE_AT=R:S   rank R raises RuntimeError in engine.step() once S optimizer

@@ -12,7 +12,7 @@ What each backend does (GPU paths are built but have NOT run on a GPU yet: issue
   takes device addresses after synchronising torch's current stream; otherwise
   StagedMPICommunicator (staged.py) moves them through two constant-size pinned host
   slots, double-buffered, copies on a side stream. Staged calls complete before they
-  return. The chunk pipeline is tested on CPU (tests/test_comm_gpu.py); the CUDA copier
+  return. The chunk pipeline is tested on CPU (tests/multirank/test_comm_gpu.py); the CUDA copier
   and the CUDA-aware path are unverified. Every tensor collective is staged, gather()
   (stage 3's full_state_dict) included.
 - nccl (NCCLCommunicator, nccl.py): CUDA tensors over cupy.cuda.nccl, one GPU per rank;

@@ -22,7 +22,7 @@ movement and the 'ordered' sum (all-to-all + rank-order sum on the device), with
 rounding for 'native' sums (MPI picks its algorithm by message size, and chunks are
 smaller messages). gather() (stage 3's full_state_dict, a set-up path) is
 staged the same way; every collective of the Communicator protocol that takes tensors
-is overridden here (tests/test_comm_gpu.py checks that none is left to mpi.py, which
+is overridden here (tests/multirank/test_comm_gpu.py checks that none is left to mpi.py, which
 refuses device tensors).
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ bf16/fp16 (the paper's mixed precision): p = g = 2, K = 12 (fp32 master 4 + Adam
 moments 8). fp32: p = g = 4, K = 8 (the parameters are the master). The engine's
 `grad_accum_dtype = "fp32"` stores gradients in fp32: g = 4. The engine counts the same
 terms at the padded element count T (T - Psi < N x alignment, per stage-3 unit) instead
-of Psi; `model_states(T, ...)` is then exact (tests/test_accounting.py `expected()`).
+of Psi; `model_states(T, ...)` is then exact (tests/multirank/test_accounting.py `expected()`).
 """
 from __future__ import annotations
 

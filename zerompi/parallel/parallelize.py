@@ -11,7 +11,7 @@ vocabulary rows, the vocabulary padded to a multiple of 128 x tp (padding rows z
 the head stays tied to it (the same local Parameter) and yields local-vocabulary
 logits; the loss becomes the vocab-parallel fp32 cross-entropy. LayerNorms, wpe and the
 row-parallel biases stay replicated. Every local weight is a slice of the full one, so
-the start is the same model whatever tp (checked by tests/test_tensor_parallel.py).
+the start is the same model whatever tp (checked by tests/multirank/test_tp_model.py).
 
 After parallelize, `model(idx)` returns this rank's logits over its slice of the padded
 vocabulary, (B, T, padded_vocab / tp), as Megatron does; columns at or past

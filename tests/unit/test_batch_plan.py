@@ -1,0 +1,44 @@
+"""How tests/support/batch.py plans a session's batched cases, without launching: every
+selected test's cases once, what a case needs before it, the longest timeout asked for
+an equal case, nothing of tests skipped at collection."""
+import types
+
+import pytest
+
+from batch import Batches, Case, batched, cases_of, worker
+
+
+class Item:
+    """The part of a pytest item the planner reads."""
+
+    def __init__(self, make, params=None, marks=()):
+        self.callspec = types.SimpleNamespace(params=params) if params is not None else None
+        self.marks = [batched(make).mark] + [m.mark for m in marks]
+
+    def get_closest_marker(self, name):
+        return next((m for m in self.marks if m.name == name), None)
+
+    def iter_markers(self, name):
+        return (m for m in self.marks if m.name == name)
+
+
+def test_plan_deduplicates_orders_needs_first_and_leaves_skipped_tests_out(tmp_path):
+    save = worker(4, "tp_parity", "--save", "{tmp}/ck", timeout=400)
+    load = worker(3, "tp_parity", "--load", "{tmp}/ck", needs=(save,))
+    items = [Item(lambda n: worker(n, "parity", "--model", "odd", timeout=50), params={"n": 2, "other": 1}),
+             Item(lambda: (load, worker(2, "parity", "--model", "odd"))),
+             Item(lambda: worker(2, "never"), marks=[pytest.mark.skipif(True, reason="x")]),
+             Item(lambda: worker(2, "never"), marks=[pytest.mark.skip(reason="x")])]
+    b = Batches(types.SimpleNamespace(items=items), tmp_path)
+    odd = worker(2, "parity", "--model", "odd")
+    assert b._plan() == [odd, save, load]
+    assert b.timeouts == {odd: 180, save: 400, load: 180}  # equal cases: the longest timeout
+    assert cases_of(items[1]) == (load, odd) and cases_of(items[2]) is None
+
+
+def test_case_names_and_equality():
+    c = worker(2, "device_bind", "--x", "a b", env={"V": "1"}, timeout=5)
+    assert c.name == "V=1 n2 device_bind --x 'a b'"
+    assert c == Case(2, "device_bind", ("--x", "a b"), (("V", "1"),))  # the timeout is not the case
+    assert c != worker(3, "device_bind", "--x", "a b", env={"V": "1"})
+    assert worker(1, "w", copy={"d": "/src"}).copy == (("d", "/src"),)
