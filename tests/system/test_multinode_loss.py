@@ -32,7 +32,10 @@ def cluster():
     for ok, why in (available(), slurm_available()):
         if not ok:
             pytest.skip(why)
-    with NetCluster(nodes=2, rate_mbit=None) as net, NetSlurm(net, slurmd_timeout=10) as slurm:
+    # Slurm must not declare the node down (and end the job's steps) before the watchdog
+    # has spoken: it speaks at TIMEOUT_S + 3 s of asking; a step in flight and a loaded
+    # machine add some seconds (at slurmd_timeout = 10 Slurm won that race now and then).
+    with NetCluster(nodes=2, rate_mbit=None) as net, NetSlurm(net, slurmd_timeout=TIMEOUT_S + 12) as slurm:
         yield net, slurm
 
 

@@ -87,7 +87,9 @@ def test_mpi_from_wheels_for_a_python_without_mpi4py(wheels, tmp_path):
     a separate prefix, and the env file is all a shell needs."""
     venv, prefix = tmp_path / "plain", tmp_path / "mpi"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    check = "from mpi4py import MPI; print(MPI.COMM_WORLD.allreduce(1), MPI.Get_library_version().split()[0])"
+    # one write per rank: print(a, b) writes its parts apart, and two ranks' parts interleave
+    check = ("import sys; from mpi4py import MPI; "
+             "sys.stdout.write(f'{MPI.COMM_WORLD.allreduce(1)} {MPI.Get_library_version().split()[0]}\\n')")
     r = _offline(f"PYTHON={venv}/bin/python bash scripts/mpi_from_wheels.sh {wheels} {prefix} && "
                  f"source {prefix}/zerompi-mpi.env && mpiexec -n 2 {venv}/bin/python -c \"{check}\"", _env(venv))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
