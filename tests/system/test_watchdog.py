@@ -26,6 +26,18 @@ def test_stopped_rank_ends_the_job_naming_it(stage):
     assert r.elapsed < 30, r.elapsed
 
 
+def test_rank_gone_during_a_save_ends_the_job_at_timeout_s(tmp_path):
+    """Inside a checkpoint save the deadline is startup_timeout_s (60 s here: writers may
+    be slow), but a rank that answers no asking (stopped, or on a lost node) is gone, not
+    slow: the others end the job after timeout_s (4 s) and two askings (3 s each)."""
+    r = run_mpi(4, [HANG, "stop-in-save", "2", str(tmp_path / "ck")], timeout=60, module=False, check=False)
+    assert r.returncode == 3, r.stdout[-3000:]
+    assert "during checkpoint save not complete after 4 s (zero.comm.timeout_s; up to " \
+           "zero.comm.startup_timeout_s = 60 s" in r.stdout, r.stdout[-3000:]
+    assert "rank 3 did not answer" in r.stdout, r.stdout[-3000:]
+    assert r.elapsed < 30, r.elapsed
+
+
 @contextlib.contextmanager
 def _blocked_job(tmp_path, mode):
     """hang.py MODE at N = 4 with rank 3 stopped and the others blocked; (Popen, pids)."""

@@ -3,6 +3,8 @@ zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
 
 stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the
   others block in the next collective until the watchdog's deadline.
+stop-in-save: rank N-1 stops itself where the others start a checkpoint save (step 3,
+  PIDFILE = the checkpoint directory): they wait under the save's generous deadline.
 wait-long: as wait, with stop_grace_s = 120: a second SIGINT must end it.
 nan-fp16: as nan in fp16 with a loss scale that reaches its minimum in 2 overflows.
 nan: rank 0 feeds NaN from step 2 on: the job stops after 3 skipped steps (Diverged).
@@ -40,11 +42,13 @@ engine = zerompi.initialize(model, cfg)
 x = torch.randn(4, 8)
 steps = 100000 if mode != "uneven" else 5 + (rank == 1)
 for step in range(steps):
-    if rank == size - 1 and step == 3 and mode in ("stop-self", "wait", "wait-long"):
+    if rank == size - 1 and step == 3 and mode in ("stop-self", "wait", "wait-long", "stop-in-save"):
         print(f"rank {rank} stopping itself at step {step}", flush=True)
         if mode.startswith("wait"):
             open(f"{sys.argv[3]}.stopped", "w").close()
         os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "stop-in-save" and step == 3:
+        engine.save_checkpoint(sys.argv[3])
     if mode.startswith("nan") and rank == 0 and step >= 1:
         x = torch.full((4, 8), float("nan"))  # one rank's NaN reaches every rank's gradient
     loss = engine(x).pow(2).mean()

@@ -23,7 +23,10 @@ A second SIGINT ends it at once.
 Deadlines: `timeout_s` per wait once the first optimizer step is done; before that, and
 inside `generous()` (checkpoint I/O, where ranks wait for the slowest writer),
 `startup_timeout_s`. 0 turns a deadline off. Per process, like the abort hook: a rank
-has one main thread that can block, whatever the communicators.
+has one main thread that can block, whatever the communicators. Inside `generous()` a
+wait past `timeout_s` also asks the others every `timeout_s`: a slow writer's watchdog
+answers (HDF5, hashing and torch release the GIL), a rank on a lost node does not, and
+ranks silent twice in a row end the job then, not at `startup_timeout_s`.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class _State:
     op: str | None = None      # what the main thread waits for now
     since = 0.0
     generous = 0
+    probed = (None, 0.0, 0.0)  # (op, since) of the wait last asked about, and when
     label = ""                 # what the waits belong to ("checkpoint save")
     progress = None            # callable -> (step, first step done)
     stop_sig = 0               # first stop signal seen by the Python handler
@@ -268,6 +272,8 @@ def _check() -> None:
     at = (f" at step {step}" if step is not None else "") + (f" during {S.label}" if S.label else "")
     if limit > 0 and now - since > limit:
         _expire(f"{op}{at} not complete after {limit:g} s (zero.comm.{key})", EXIT_TIMEOUT, op, step)
+    if S.generous and running and 0 < S.timeout_s < now - since:
+        _probe(op, since, at, step, now, limit)
     sig = S.stop_at_sig  # the main thread's handler may not have run yet: it is blocked
     if S.stop_at is not None and not S.agreed and S.stop_grace_s > 0 \
             and now - max(since, S.stop_at) > S.stop_grace_s:
@@ -277,12 +283,35 @@ def _check() -> None:
                 128 + sig, op, step)
 
 
+def _probe(op, since, at, step, now, limit) -> None:
+    """Inside a generous wait past timeout_s, every timeout_s: ranks that answer neither
+    of two askings in a row are gone (a lost node), not slow: end the job now."""
+    if S.probed[:2] == (op, since) and now - S.probed[2] < S.timeout_s:
+        return
+    S.probed = (op, since, now)
+    MPI = _mpi()
+    if MPI is None or MPI.COMM_WORLD.Get_size() == 1 or MPI.COMM_WORLD.Get_size() > _ASK_MAX_RANKS:
+        return
+    silent, _ = _survey(MPI, op, step)
+    if not silent:
+        return
+    again, detail = _survey(MPI, op, step)
+    if set(silent) & set(again) and (S.op, S.since) == (op, since):
+        _expire(f"{op}{at} not complete after {S.timeout_s:g} s (zero.comm.timeout_s; up to zero.comm."
+                f"startup_timeout_s = {limit:g} s is allowed for slow writers, not for ranks that are gone)",
+                EXIT_TIMEOUT, op, step, detail)
+
+
 def _ask_peers(MPI, op, step) -> str:
-    """Who is not with us: ask every rank, wait _ASK_S for answers."""
+    return _survey(MPI, op, step)[1]
+
+
+def _survey(MPI, op, step) -> tuple[list[int], str]:
+    """Who is not with us: ask every rank, wait _ASK_S for answers; (silent ranks, text)."""
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if size > _ASK_MAX_RANKS:
-        return f" ({size} ranks: not asking each where it is)"
+        return [], f" ({size} ranks: not asking each where it is)"
     peers = [q for q in range(size) if q != rank]
     reqs = [world.isend(None, dest=q, tag=TAG_QUERY) for q in peers]
     answers: dict[int, tuple] = {}
@@ -308,7 +337,7 @@ def _ask_peers(MPI, op, step) -> str:
         parts.append(f"rank {q} {where}" + (f" at step {s}" if s is not None else ""))
     if same:
         parts.append(f"{_ranks(same)} wait{'s' if len(same) == 1 else ''} in the same collective")
-    return "; " + "; ".join(parts) if parts else ""
+    return silent, "; " + "; ".join(parts) if parts else ""
 
 
 _rank_namer = None  # COMM_WORLD ranks -> "ranks 2, 3 (all of node n2)" (ParallelDims sets it)
@@ -332,14 +361,13 @@ def _ranks(qs: list[int]) -> str:
     return f"ranks {shown}"
 
 
-def _expire(what: str, code: int, op: str | None = None, step: int | None = None) -> None:
-
+def _expire(what: str, code: int, op: str | None = None, step: int | None = None,
+            detail: str | None = None) -> None:
     MPI = _mpi()
     rank = MPI.COMM_WORLD.Get_rank() if MPI else os.environ.get("PMI_RANK", "?")
-    detail = ""
-    if MPI is not None and op is not None and MPI.COMM_WORLD.Get_size() > 1:
+    if detail is None and MPI is not None and op is not None and MPI.COMM_WORLD.Get_size() > 1:
         try:
             detail = _ask_peers(MPI, op, step)
         except Exception as e:  # a diagnosis must never stop the abort
             detail = f" (could not ask the other ranks: {e})"
-    abort(f"[rank {rank}] zerompi watchdog: {what}{detail}. Ending the job.", code)
+    abort(f"[rank {rank}] zerompi watchdog: {what}{detail or ''}. Ending the job.", code)
