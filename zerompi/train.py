@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- resume
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
-    rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
+    lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
     check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     except runtime.JobError:
         checkpoints.flush()
         raise
+    if code == EXIT_STOPPED:  # leave together: srun --kill-on-bad-exit would kill a late rank
+        runtime.exit_together(code, dims.world, before=[lock.release] if lock else [],
+                              stop_mpi_users=[watchdog.close])
     return code
 
 

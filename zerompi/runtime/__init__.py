@@ -4,12 +4,13 @@ on collective waits and stop signals (watchdog.py), the run directory's lock
 (rundir.py), atomic file writes (fileio.py).
 
 `zerompi.runtime.X` keeps every name it had when runtime was one module."""
-from .abort import JobError, abort, init, install_abort_hook, mpi, one_line_job_errors, seed_everything
+from .abort import (JobError, abort, exit_together, init, install_abort_hook, mpi, one_line_job_errors,
+                    seed_everything)
 from .agree import (agree, as_items, check_same_everywhere, first_difference, merged, raise_agreed, raise_found,
                     same_everywhere)
 from .malloc import MMAP_THRESHOLD, HeapTrimmer, fix_mmap_threshold, release_free_memory
 
-__all__ = ["JobError", "abort", "init", "install_abort_hook", "mpi", "one_line_job_errors",
+__all__ = ["JobError", "abort", "exit_together", "init", "install_abort_hook", "mpi", "one_line_job_errors",
            "seed_everything", "agree", "as_items", "check_same_everywhere", "first_difference", "merged",
            "raise_agreed", "raise_found", "same_everywhere", "MMAP_THRESHOLD", "HeapTrimmer", "fix_mmap_threshold",
            "release_free_memory"]

@@ -187,3 +187,27 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(s)
     np.random.seed(s % (2**32))
     torch.manual_seed(s)
+
+
+def exit_together(code: int, world, before=(), stop_mpi_users=()) -> None:
+    """Every rank leaves at once with a non-zero CODE (124: checkpointed, requeue me).
+    `srun --kill-on-bad-exit` ends the step when the first task exits non-zero, so a rank
+    still tearing down (rank 0 freeing the run lock, the interpreter unloading torch) would
+    be killed and the step end with 143, not CODE. So: the teardown that matters first
+    (`before`: callables), a barrier (under the watchdog), `stop_mpi_users` (threads that
+    call MPI, the watchdog's), MPI_Finalize (a skipped one leaves MPICH segments named
+    after the Slurm job and step, which the requeued job, same names, would attach to and
+    die in MPI_Init), then os._exit without the interpreter's slow exit."""
+    for fn in before:
+        fn()
+    for t in threading.enumerate():  # as interpreter exit would (a checkpoint rotation's delete)
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    world.barrier()
+    for fn in stop_mpi_users:
+        fn()
+    mpi().Finalize()
+    os._exit(code)
+

@@ -201,10 +201,11 @@ def _start() -> None:
             return
         S.thread = threading.Thread(target=_loop, name="zerompi-watchdog", daemon=True)
         S.thread.start()
-    atexit.register(_close)  # runs before mpi4py's MPI_Finalize (registered earlier)
+    atexit.register(close)  # runs before mpi4py's MPI_Finalize (registered earlier)
 
 
-def _close() -> None:
+def close() -> None:
+    """No more MPI calls from the thread (before MPI_Finalize)."""
     with _lock:
         S.closing = True
 
