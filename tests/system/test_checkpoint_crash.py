@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +105,20 @@ def test_sigkill_of_one_rank_during_background_writes(tmp_path):
         hits += any(e.startswith(fmt.TMP_PREFIX) for e in os.listdir(ck))
     assert hits >= 1   # some kill landed inside a background write
     t0 = time.monotonic()   # no writer helper outlived its rank (PR_SET_PDEATHSIG)
-    while subprocess.run(["pgrep", "-f", "zerompi.checkpoint.writer_process"], capture_output=True).stdout.strip():
-        assert time.monotonic() - t0 < 10, "a checkpoint writer process outlived its rank"
+    while _orphan_writers():
+        assert time.monotonic() - t0 < 10, f"checkpoint writer processes outlived their ranks: {_orphan_writers()}"
         time.sleep(0.1)
+
+
+def _orphan_writers() -> list[int]:
+    """Writer helpers whose rank (the last argument) is gone; other tests' live ones are not."""
+    found = subprocess.run(["pgrep", "-f", "zerompi.checkpoint.writer_process"], capture_output=True, text=True)
+    orphans = []
+    for pid in found.stdout.split():
+        try:
+            parent = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if not Path(f"/proc/{parent}").exists():
+            orphans.append(int(pid))
+    return orphans

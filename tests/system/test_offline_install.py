@@ -22,7 +22,8 @@ NO_NET = ("ip link set lo up && ! python -c \"import socket; socket.create_conne
 # Each rank reports the MPI library it mapped and the zerompi it imported.
 RANKS = ("import json, zerompi; from mpi4py import MPI; "
          "libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi.so' in l}); "
-         "print(json.dumps({'sum': MPI.COMM_WORLD.allreduce(1), 'libs': libs, 'zerompi': zerompi.__file__}))")
+         "import sys; sys.stdout.write(json.dumps({'sum': MPI.COMM_WORLD.allreduce(1), 'libs': libs, "
+         "'zerompi': zerompi.__file__}) + chr(10))")  # one write per rank: print's parts interleave
 
 
 def _offline(script: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
