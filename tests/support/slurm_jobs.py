@@ -71,3 +71,16 @@ def submit_mpi_job(cluster, tmp_path: Path, name: str, batch_text: str, **kw):
     return submit_script(cluster, script, name, tmp_path, **kw)
 
 
+def wait_requeued(cluster, job_id: int, timeout: float) -> dict:
+    """Poll until the job is back in the queue after its first run (or ended); its record."""
+    from slurm_cluster import TERMINAL_STATES
+
+    deadline = time.monotonic() + timeout
+    info: dict = {}
+    while time.monotonic() < deadline:
+        info = cluster.job_info(job_id)
+        if info.get("JobState") in TERMINAL_STATES or (
+                info.get("Restarts") == "1" and info.get("JobState") == "PENDING"):
+            return info
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job_id} not requeued after {timeout} s: {info}")

@@ -10,28 +10,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 from mpirun import mpi_env
 from multinode_jobs import (REPO, SITE_ENV, checkpoint_states, metrics, same_states, train_argv,
                             train_mpiexec, wait_steps, write_config)
-from slurm_cluster import TERMINAL_STATES
-from slurm_jobs import _diag, _read
+from slurm_jobs import _diag, _read, wait_requeued
 from test_slurm_templates import _in_order
 
 TEMPLATE = REPO / "slurm" / "multinode-ib.sbatch"
 MORE = 6  # steps the requeued run trains after the signal's checkpoint
-
-
-def _wait_requeued(cluster, job_id: int, timeout: float = 90) -> dict:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        info = cluster.job_info(job_id)
-        if info.get("JobState") in TERMINAL_STATES or (
-                info.get("Restarts") == "1" and info.get("JobState") == "PENDING"):
-            return info
-        time.sleep(0.2)
-    raise TimeoutError(f"job {job_id} not requeued after {timeout} s: {cluster.job_info(job_id)}")
 
 
 def test_template_trains_checkpoints_requeues_resumes_bitwise(net_slurm, net_nodes, tmp_path):
@@ -43,7 +30,7 @@ def test_template_trains_checkpoints_requeues_resumes_bitwise(net_slurm, net_nod
     wait_steps(run_dir, 3, lambda: net_slurm.state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), why=why)
     # As --signal=B:USR1 would, at once: the batch shell relays it to srun and the ranks.
     net_slurm.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
-    info = _wait_requeued(net_slurm, job_id)
+    info = wait_requeued(net_slurm, job_id, timeout=90)
     assert info.get("JobState") == "PENDING", why()
     k = len(metrics(run_dir))
     write_config(cfg, max_steps=k + MORE)  # read by the requeued run (~10 s of cred_expire away)

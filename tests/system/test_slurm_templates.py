@@ -20,7 +20,7 @@ import pytest
 
 from slurm_cluster import TERMINAL_STATES, parse_kv
 
-from slurm_jobs import REPO, PY, REQUEUE_EXIT, _INIT_FLAKE, _write, _read, _diag, submit_script
+from slurm_jobs import REPO, PY, REQUEUE_EXIT, _INIT_FLAKE, _write, _read, _diag, submit_script, wait_requeued
 
 # ------------------------------------------------------------- the templates in slurm/
 
@@ -125,19 +125,6 @@ def test_train_cpu_sbatch(slurm_cluster, tmp_path):
     assert _checkpoints(run_dir) == [10], why
 
 
-def _wait_requeued(cluster, job_id: int, timeout: float) -> dict:
-    """Poll until the job is back in the queue after its first run; return its record."""
-    deadline = time.monotonic() + timeout
-    info: dict = {}
-    while time.monotonic() < deadline:
-        info = cluster.job_info(job_id)
-        if info.get("JobState") in TERMINAL_STATES or (
-                info.get("Restarts") == "1" and info.get("JobState") == "PENDING"):
-            return info
-        time.sleep(0.3)
-    raise TimeoutError(f"job {job_id} not requeued after {timeout}s: {info}")
-
-
 
 @needs_train
 def test_train_signal_checkpoint_requeue_resume(slurm_cluster, tmp_path):
@@ -160,7 +147,7 @@ def test_train_signal_checkpoint_requeue_resume(slurm_cluster, tmp_path):
             options=[f"--output={tmp_path}/requeue-%j.log", "--job-name=requeue",
                      "--time=1", "--signal=B:USR1@20"])
         log = tmp_path / f"requeue-{job_id}.log"
-        info = _wait_requeued(slurm_cluster, job_id, timeout=120)
+        info = wait_requeued(slurm_cluster, job_id, timeout=120)
         if attempt == 1 and info.get("JobState") != "PENDING" and _INIT_FLAKE.search(_read(log)):
             print(f"requeue: job {job_id} died in MPI_Init; resubmitting")
             continue
