@@ -114,6 +114,15 @@ class Writer:
             self.pending.popleft().result()
         return self.crc.digest(), self.crc.size
 
+    def seal(self, pos: int, size: int) -> str:
+        """Checksum from `pos` to the end (`size`), make the file durable; its digest."""
+        self.gap(pos, size)
+        digest, done = self.finish()
+        os.fsync(self.fd)
+        if done != size:
+            raise RuntimeError(f"{self.path}: checksummed {done} bytes of {size}")
+        return digest
+
     def close(self) -> None:
         if self.ex is not None:
             self.ex.shutdown(wait=True, cancel_futures=True)
@@ -205,12 +214,8 @@ def write_staged(path: str, job: dict, buf: np.ndarray) -> tuple[str, int]:
                         raise _diverged(kind, pieces, lo // 4 + int(np.argmin(ok[:vals.size])))
                 w.put(part, base + lo, base % ALIGN == 0)
             pos = base + nbytes
-        w.gap(pos, size)
-        digest, done = w.finish()
-        os.fsync(fd)
+        digest = w.seal(pos, size)
     finally:
         w.close()
         os.close(fd)
-    if done != size:
-        raise RuntimeError(f"{path}: checksummed {done} bytes of {size}")
     return digest, size
