@@ -90,9 +90,8 @@ def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
     assert steps[0]["status"] == "ok" and "torch" in json.loads((out / "env.json").read_text()), steps
     # 30 s: the probe (minimum 10 s of the 15 s left after the kill grace) runs, no later step
     # (minimum 20 s) starts; every step that did not run says why
-    assert "budget" in {s["step"]: s for s in steps}["e2e-1b"]["detail"], steps
-    assert all(s["status"] == "ok" or (s["status"] == "skip" and s["detail"]) for s in steps), \
-        [s for s in steps if s["status"] != "ok"]
+    assert {s["step"] for s in steps if "budget" in s["detail"]} >= {"build-tests", "e2e-1b"}, steps
+    assert all(s["status"] == "skip" and s["detail"] for s in steps[1:]), steps
 
 
 def test_launch_cap_lowers_every_timeout(monkeypatch):
