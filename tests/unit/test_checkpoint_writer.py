@@ -1,0 +1,37 @@
+"""The asynchronous save's helper process yields to training: nice for the process and
+for its autogroup (its own session is its own scheduling group, where a nice value alone
+counts for nothing against the ranks' group)."""
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from zerompi.checkpoint.background import ProcessWriter
+
+
+def _autogroup_nice(pid: int) -> int:
+    with open(f"/proc/{pid}/autogroup") as f:   # "/autogroup-123 nice 19"
+        return int(f.read().split()[-1])
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer needs memfd_create (Linux)")
+def test_the_helper_process_runs_at_the_writer_nice_in_its_own_autogroup_too():
+    fd = os.memfd_create("zerompi-test-staging")
+    os.ftruncate(fd, 1 << 16)
+    writer = ProcessWriter(SimpleNamespace(fd=fd, nbytes=1 << 16), nice=17)
+    try:
+        pid = writer.proc.pid
+        deadline = time.monotonic() + 60   # it lowers its priority after its imports
+        while os.getpriority(os.PRIO_PROCESS, pid) != 17 and time.monotonic() < deadline:
+            assert writer.proc.poll() is None, "the helper ended"
+            time.sleep(0.05)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 17
+        assert os.getsid(pid) != os.getsid(0), "the helper is meant to have a session of its own"
+        if os.path.exists(f"/proc/{pid}/autogroup"):   # kernels with CONFIG_SCHED_AUTOGROUP
+            assert _autogroup_nice(pid) == 17
+            assert _autogroup_nice(os.getpid()) != 17, "the test process's own group must be untouched"
+    finally:
+        writer.close()
+        os.close(fd)
+    assert writer.proc.returncode == 0
