@@ -48,7 +48,8 @@ def poll(engine) -> dict | None:
     """Collective, once per step: publish the asynchronous save in flight if every
     rank's write has finished. Returns {"path", "tag", "stall_s", "write_s", "waited_s"}
     when it published one, else None; raises CheckpointError (on every rank) if a
-    background write failed. Costs one small all-reduce while a save is in flight."""
+    background write failed. Costs one small non-blocking all-reduce per step while a
+    save is in flight."""
     saver = getattr(engine, "_async_saver", None)
     return saver.poll() if saver is not None else None
 

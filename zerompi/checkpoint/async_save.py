@@ -47,6 +47,7 @@ class InFlight:
         self.stall_s, self.waited_s, self.write_s = stall_s, waited_s, 0.0
         self.parts = {"begin_s": stall_s, "poll_s": 0.0, "agree_s": 0.0, "publish_s": 0.0}  # where the stall went
         self.meta_err: str | None = None
+        self.asked = None   # the poll's all-reduce posted at the previous step boundary
 
 
 class AsyncSaver:
@@ -109,15 +110,27 @@ class AsyncSaver:
         return s["target"]
 
     def poll(self) -> dict | None:
-        """Collective, cheap: one small all-reduce while a save is in flight, nothing
-        otherwise. Advances the save once every rank's part of its current step is
-        done; returns its record when it was published."""
+        """Collective, cheap: while a save is in flight, one small non-blocking all-reduce
+        per step, nothing otherwise. Advances the save once every rank's part of its
+        current step is done; returns its record when it was published.
+
+        Each poll reads the all-reduce the previous poll posted (by now complete: the
+        step's own collectives progressed it) and posts the next. A blocking all-reduce
+        here waited each step for the slowest rank, which the step's next collective
+        waits for anyway: at stage 3 that wait was most of an asynchronous save's stall.
+        The answer is one step old, and the same on every rank, so every rank advances
+        at the same poll."""
         f = self.inflight
         if f is None:
             return None
         t0 = time.perf_counter()
-        done = f.task is None or f.task.finished.is_set()
-        running, = self.engine().dims.world.allreduce_scalars([0.0 if done else 1.0], op="max")
+        running = 1.0
+        if f.asked is not None:
+            running, = f.asked.wait()
+            f.asked = None
+        if running:
+            done = f.task is None or f.task.finished.is_set()
+            f.asked = self.engine().dims.world.start_allreduce_scalars([0.0 if done else 1.0], op="max")
         f.stall_s += time.perf_counter() - t0
         f.parts["poll_s"] += time.perf_counter() - t0
         return None if running else self._advance()
@@ -125,6 +138,9 @@ class AsyncSaver:
     def flush(self) -> dict | None:
         """Collective: finish the save in flight and publish it (or raise, on every rank)."""
         rec = None
+        if self.inflight is not None and self.inflight.asked is not None:
+            self.inflight.asked.wait()   # every rank posted it at the same poll
+            self.inflight.asked = None
         while self.inflight is not None:
             task = self.inflight.task
             if task is not None:   # the deadline of saves (startup_timeout_s), as for a synchronous one

@@ -66,6 +66,8 @@ class Communicator(Protocol):
     def broadcast(self, t, root: int = 0) -> None: ...
     def gather(self, send, recv, root: int = 0) -> None: ...
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]: ...
+    def start_allreduce_scalars(self, values: list[float], op: str = "sum") -> "Scalars":
+        """allreduce_scalars without blocking: the result is Scalars.wait()'s."""
     def split(self, color: int, key: int | None = None,
               counted_with: "Communicator | None" = None) -> "Communicator":
         """MPI_Comm_split (collective); counted_with: count the new group's traffic in
@@ -155,6 +157,18 @@ class Handle:
                 self._finish()
         self.done = True
         self._stats.add_time(self._op, time.perf_counter() - t0)
+
+
+class Scalars:
+    """A non-blocking allreduce_scalars in flight: wait() returns the reduced values."""
+
+    def __init__(self, handle: Handle | None, buf):
+        self.handle, self.buf = handle, buf
+
+    def wait(self) -> list[float]:
+        if self.handle is not None:
+            self.handle.wait()
+        return self.buf.tolist()
 
 
 class DoneHandle(Handle):

@@ -79,6 +79,9 @@ class _Delegating:
     def allreduce_scalars(self, values, op: str = "sum"):
         return self.flat.allreduce_scalars(values, op=op)
 
+    def start_allreduce_scalars(self, values, op: str = "sum"):
+        return self.flat.start_allreduce_scalars(values, op=op)
+
     def barrier(self, poll: bool = False) -> None:
         self.flat.barrier(poll=poll)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..runtime.watchdog import waiting
-from .base import CommStats, DoneHandle, Handle
+from .base import CommStats, DoneHandle, Handle, Scalars
 
 _OPS = ("sum", "max", "min", "lor")
 
@@ -255,6 +255,10 @@ class MPICommunicator:
         buf = torch.tensor(values, dtype=torch.float64)
         self.all_reduce(buf, op=op) if op != "sum" else self._small_sum(buf)
         return buf.tolist()
+
+    def start_allreduce_scalars(self, values: list[float], op: str = "sum") -> Scalars:
+        buf = torch.tensor(values, dtype=torch.float64)
+        return Scalars(self.all_reduce(buf, op=op, async_op=True), buf)
 
     def _small_sum(self, buf: torch.Tensor) -> None:
         # Native Allreduce on a handful of scalars: its order is fixed for a fixed size.

@@ -295,6 +295,9 @@ class NCCLCommunicator:
     def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]:
         return self.mpi.allreduce_scalars(values, op)
 
+    def start_allreduce_scalars(self, values: list[float], op: str = "sum"):
+        return self.mpi.start_allreduce_scalars(values, op)
+
     def barrier(self, poll: bool = False) -> None:
         self.mpi.barrier(poll)
 
