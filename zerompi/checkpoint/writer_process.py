@@ -60,9 +60,9 @@ def lower_priority(nice: int) -> None:
     """nice NICE for this process and for its autogroup. The helper has a session of its
     own (a signal to the rank's process group does not reach it), and with
     kernel.sched_autogroup_enabled a session is a scheduling group: the scheduler first
-    shares a core between groups, and a nice value counts only inside its group. Without
-    the second write the helper took half of a busy core whatever its nice (measured:
-    steps 1.25-1.5x during a write at N = ranks = cores)."""
+    shares the cores between groups, and a nice value counts only inside its group. Without
+    the second write the helper competed as an equal of a rank (mpiexec gives each rank a
+    session too), whatever its nice: steps 1.25-1.5x during a write at N = ranks = cores."""
     try:
         os.nice(nice)
     except OSError:
