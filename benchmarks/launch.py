@@ -18,7 +18,8 @@ The ranks get the caller's environment with these changes:
 
 Kill policy: the job runs in a session of its own. On timeout, or when the driver gets
 SIGINT, SIGTERM or SIGHUP, mpiexec's process group and every process descended from it
-get SIGKILL. MPICH's proxy and each rank run in sessions of their own, so the group
+get SIGKILL; when the driver dies without a word (SIGKILL), mpiexec gets SIGTERM from the
+kernel (PR_SET_PDEATHSIG) and ends the ranks itself. MPICH's proxy and each rank run in sessions of their own, so the group
 alone would miss them; the descendants are listed before anything is killed, and only
 processes this launch started are ever signalled. A timeout returns a Job with
 timed_out set; an interrupt kills the job and then raises KeyboardInterrupt in the
@@ -30,6 +31,7 @@ another job that has not mapped it yet).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
@@ -108,7 +110,8 @@ def launch(nranks: int | None, argv, *, timeout: float, env: dict | None = None,
     lines: list[str] = []
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         errors="replace", env=rank_env(root, env), start_new_session=True)
+                         errors="replace", env=rank_env(root, env), start_new_session=True,
+                         preexec_fn=_term_with_parent)
     reader = threading.Thread(target=_read, args=(p.stdout, lines, echo), daemon=True)
     reader.start()
     timed_out = False
@@ -131,6 +134,17 @@ def launch(nranks: int | None, argv, *, timeout: float, env: dict | None = None,
     if log:
         Path(log).write_text(job.output)
     return job
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the driver dies (even by SIGKILL, which no
+    handler sees). mpiexec passes SIGTERM on to the ranks and ends, so a killed driver
+    leaves no job behind; the signal fires when the thread that started the job ends,
+    and launch() waits in that thread."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # not Linux: the interrupt handlers still cover SIGINT/TERM/HUP
+        pass
 
 
 def _read(stream, lines: list[str], echo: bool) -> None:
