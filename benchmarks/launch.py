@@ -19,8 +19,8 @@ The ranks get the caller's environment with these changes:
 Kill policy: the job runs in a session of its own. On timeout, or when the driver gets
 SIGINT, SIGTERM or SIGHUP, mpiexec's process group and every process descended from it
 get SIGKILL; when the driver dies without a word (SIGKILL), mpiexec gets SIGTERM from the
-kernel (PR_SET_PDEATHSIG) and ends the ranks itself. MPICH's proxy and each rank run in sessions of their own, so the group
-alone would miss them; the descendants are listed before anything is killed, and only
+kernel (PR_SET_PDEATHSIG) and ends the ranks itself. MPICH's proxy and each rank run in
+sessions of their own, so the group alone would miss them; the descendants are listed before anything is killed, and only
 processes this launch started are ever signalled. A timeout returns a Job with
 timed_out set; an interrupt kills the job and then raises KeyboardInterrupt in the
 driver, which can still write the results it has. MPICH's shared-memory segments that
@@ -136,15 +136,19 @@ def launch(nranks: int | None, argv, *, timeout: float, env: dict | None = None,
     return job
 
 
+try:   # looked up here, not in the forked child (no dlopen between fork and exec)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):   # not Linux: the interrupt handlers still cover SIGINT/TERM/HUP
+    _PRCTL = None
+
+
 def _term_with_parent() -> None:
     """In the child, before exec: SIGTERM when the driver dies (even by SIGKILL, which no
     handler sees). mpiexec passes SIGTERM on to the ranks and ends, so a killed driver
     leaves no job behind; the signal fires when the thread that started the job ends,
     and launch() waits in that thread."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):   # not Linux: the interrupt handlers still cover SIGINT/TERM/HUP
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
 def _read(stream, lines: list[str], echo: bool) -> None:

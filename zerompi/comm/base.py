@@ -162,12 +162,11 @@ class Handle:
 class Scalars:
     """A non-blocking allreduce_scalars in flight: wait() returns the reduced values."""
 
-    def __init__(self, handle: Handle | None, buf):
+    def __init__(self, handle: Handle, buf):
         self.handle, self.buf = handle, buf
 
     def wait(self) -> list[float]:
-        if self.handle is not None:
-            self.handle.wait()
+        self.handle.wait()
         return self.buf.tolist()
 
 

@@ -210,4 +210,3 @@ def exit_together(code: int, world, before=(), stop_mpi_users=()) -> None:
         fn()
     mpi().Finalize()
     os._exit(code)
-

@@ -303,10 +303,6 @@ def _probe(op, since, at, step, now, limit) -> None:
                 EXIT_TIMEOUT, op, step, detail)
 
 
-def _ask_peers(MPI, op, step) -> str:
-    return _survey(MPI, op, step)[1]
-
-
 def _survey(MPI, op, step) -> tuple[list[int], str]:
     """Who is not with us: ask every rank, wait _ASK_S for answers; (silent ranks, text)."""
     world = MPI.COMM_WORLD
@@ -368,7 +364,7 @@ def _expire(what: str, code: int, op: str | None = None, step: int | None = None
     rank = MPI.COMM_WORLD.Get_rank() if MPI else os.environ.get("PMI_RANK", "?")
     if detail is None and MPI is not None and op is not None and MPI.COMM_WORLD.Get_size() > 1:
         try:
-            detail = _ask_peers(MPI, op, step)
+            detail = _survey(MPI, op, step)[1]
         except Exception as e:  # a diagnosis must never stop the abort
             detail = f" (could not ask the other ranks: {e})"
     abort(f"[rank {rank}] zerompi watchdog: {what}{detail or ''}. Ending the job.", code)
