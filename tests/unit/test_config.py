@@ -196,6 +196,20 @@ def test_train_config_names_the_full_dotted_key(overrides, key, value):
     assert str(e.value).startswith(f"config key {key} = {value}: "), str(e.value)
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--zero.stag", "2"], "config key 'zero.stag' = '2': unknown key"),
+    (["--max_step", "3"], "config key 'max_step' = '3': unknown key"),
+    (["--global_batch", "lots"], "config key 'global_batch' = 'lots': expected an integer"),
+    (["--block_size", "65"], "config key 'block_size' = 65: must be <= the model's context length 64"),
+])
+def test_train_command_line_names_the_key_as_typed(argv, needle):
+    """`python -m zerompi.train` parses its arguments with from_argv; the job's one line on
+    rank 0 and exit 2: tests/system/test_train.py."""
+    with pytest.raises(C.ConfigError) as e:
+        train_config.from_argv(["--model.preset", "tiny"] + argv)
+    assert str(e.value).startswith(needle), str(e.value)
+
+
 def test_train_config_nested_in_a_file(tmp_path):
     p = tmp_path / "t.toml"
     p.write_text("max_steps = 5\n[zero.optimizer]\nlr = -1\n")
