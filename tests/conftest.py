@@ -51,6 +51,19 @@ def _xdist_group(item, rel: tuple) -> str | None:
     return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-profile", action="store_true",
+                     help="record and print each test's CPU time (tests/support/cpu_profile.py)")
+
+
+def pytest_configure(config):
+    if config.getoption("--cpu-profile"):
+        import cpu_profile
+
+        config.pluginmanager.register(cpu_profile, "cpu_profile")
+        cpu_profile.start(config)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -1,0 +1,70 @@
+"""Where the suite's CPU goes, per test: `bash tests/run.sh --cpu-profile` (conftest.py
+registers this module as a plugin).
+
+The suite is bound by CPU (tests/README.md), and a test's wall time says little about its
+cost: a Slurm test waits 30 s at no cost, a 4-rank job's 5 s take 15 CPU-seconds from the
+other worker. This plugin records each test's CPU time, its own plus that of every
+process it started and reaped (mpiexec reaps its proxies, they reap the ranks), and at
+the end prints the files and tests that cost the most. Not counted: jobs that Slurm's
+daemons start, and ranks their launcher does not wait for (an aborted or killed job):
+the failure, watchdog and kill tests cost more than they show.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+TOP = 15
+
+
+def _log_dir(config) -> Path:
+    return Path(str(config.rootpath)) / ".pytest_cache" / "cpu_profile"
+
+
+def _worker(config) -> str | None:
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+def start(config):
+    if _worker(config) is None:  # the controller (or the only process): a fresh record
+        d = _log_dir(config)
+        d.mkdir(parents=True, exist_ok=True)
+        for f in d.glob("*.jsonl"):
+            f.unlink()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    t0, w0 = os.times(), time.monotonic()
+    yield
+    t1 = os.times()
+    cpu = sum(getattr(t1, k) - getattr(t0, k) for k in ("user", "system", "children_user", "children_system"))
+    path = _log_dir(item.config) / f"{_worker(item.config) or 'main'}.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"id": item.nodeid, "cpu": cpu, "wall": time.monotonic() - w0}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if _worker(config) is not None:
+        return
+    rows = [json.loads(line) for f in sorted(_log_dir(config).glob("*.jsonl")) for line in f.open()]
+    if not rows:
+        return
+    cpu, wall, count = Counter(), Counter(), Counter()
+    for r in rows:
+        path = r["id"].split("::")[0]
+        cpu[path] += r["cpu"]
+        wall[path] += r["wall"]
+        count[path] += 1
+    tr = terminalreporter
+    tr.section(f"CPU seconds per file (tests and the processes they reaped): {sum(cpu.values()):.0f} in all")
+    for path, c in cpu.most_common(TOP):
+        tr.write_line(f"{c:7.1f} cpu {wall[path]:7.1f} wall {count[path]:4d} tests  {path}")
+    tr.section("CPU seconds per test")
+    for r in sorted(rows, key=lambda r: -r["cpu"])[:TOP]:
+        tr.write_line(f"{r['cpu']:7.1f} cpu {r['wall']:7.1f} wall  {r['id']}")
