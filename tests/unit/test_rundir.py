@@ -2,16 +2,18 @@
 zerompi/checkpoint/directory.py): temporary directories of dead owners, zombie owners,
 who may take over a run directory's lock.
 Whole jobs on a run directory: tests/system/test_reliability.py."""
+import json
 import os
 import subprocess
 import time
+
+import pytest
 
 
 def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
     """After a save, cleanup removes the temporary directory of a dead process or of
     unknown owner (a crash before marking), never one whose owner still runs (another
     job's save in progress)."""
-    import json
     import socket
 
     from zerompi.checkpoint.directory import OWNER, cleanup
@@ -54,10 +56,6 @@ def test_the_lock_of_another_host_or_an_earlier_run_of_the_job(tmp_path, monkeyp
     """A lock from another host is busy while its heartbeat is fresh (naming host, pid and
     Slurm job) and stale after STALE_S; a lock of the same Slurm job's earlier run (a
     requeue: lower SLURM_RESTART_COUNT) is taken over at once, whatever its host."""
-    import json
-
-    import pytest
-
     from zerompi.runtime.rundir import LOCK, STALE_S, RunDirBusy, RunLock
 
     lock = tmp_path / LOCK
