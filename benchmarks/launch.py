@@ -20,10 +20,10 @@ Kill policy: the job runs in a session of its own. On timeout, or when the drive
 SIGINT, SIGTERM or SIGHUP, mpiexec's process group and every process descended from it
 get SIGKILL; when the driver dies without a word (SIGKILL), mpiexec gets SIGTERM from the
 kernel (PR_SET_PDEATHSIG) and ends the ranks itself. MPICH's proxy and each rank run in
-sessions of their own, so the group alone would miss them; the descendants are listed before anything is killed, and only
-processes this launch started are ever signalled. A timeout returns a Job with
-timed_out set; an interrupt kills the job and then raises KeyboardInterrupt in the
-driver, which can still write the results it has. MPICH's shared-memory segments that
+sessions of their own, so the group alone would miss them; the descendants are listed
+before anything is killed, and only processes this launch started are ever signalled.
+A timeout returns a Job with timed_out set; an interrupt kills the job and then raises
+KeyboardInterrupt in the driver, which can still write the results it has. MPICH's shared-memory segments that
 appeared during the job and that no live process maps any more are removed afterwards,
 once 2 s old (a killed or aborted job leaves them in /dev/shm; a younger one may belong to
 another job that has not mapped it yet).

@@ -23,6 +23,16 @@ WORKERS = TESTS / "workers"
 DATA = TESTS / "data"
 
 
+
+def gone(pid: int) -> bool:
+    """The process has ended: no such pid, or a zombie (exited; its parent, or a PID 1
+    that never reaps, has not collected it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
 # MPICH polls while a rank waits. With more ranks than cores (3-4 ranks on the 2-core CI
 # machine) the pollers hold the cores the working rank needs: give them up instead
 # (nanosleep when yielding MPICH's lock, usleep after polls that made no progress).

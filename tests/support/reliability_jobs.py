@@ -1,6 +1,5 @@
 """Pieces the reliability tests share (tests/system/test_reliability.py, test_watchdog.py):
 the hang worker, short `zerompi.train` jobs on a small corpus, and their checks."""
-import os
 import sys
 
 from mpirun import WORKERS, launch
@@ -27,13 +26,3 @@ def one_error(res, code, needle):
     assert "Traceback" not in res.stdout + res.stderr, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zerompi.train: error")]
     assert len(lines) == 1 and needle in lines[0], res.stderr[-3000:]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # a zombie has exited; only its parent has not reaped it yet
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] == "Z"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from mpirun import ROOT, mpi_env
+from mpirun import ROOT, gone, mpi_env
 
 SLEEPER = """import os, sys, time
 open(os.path.join(sys.argv[1], f"rank-{os.getpid()}"), "w").close()
@@ -19,15 +19,6 @@ sys.path.insert(0, sys.argv[1])
 from launch import launch
 launch(2, [sys.argv[2], sys.argv[3]], timeout=600)
 """
-
-
-def _gone(pid: int) -> bool:
-    """Ended, or a zombie nobody reaps (the test's PID 1 may not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
 
 
 def test_a_sigkilled_driver_leaves_no_rank_running(tmp_path):
@@ -48,9 +39,9 @@ def test_a_sigkilled_driver_leaves_no_rank_running(tmp_path):
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         deadline = time.monotonic() + 30
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [p for p in pids if not _gone(p)]
+        left = [p for p in pids if not gone(p)]
         assert not left, f"ranks {left} still run 30 s after their driver was killed"
     finally:
         for p in pids:

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from mpirun import ROOT, run_mpi, running_job
-from reliability_jobs import FAST, HANG, TRAIN, _gone
+from mpirun import ROOT, gone, run_mpi, running_job
+from reliability_jobs import FAST, HANG, TRAIN
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -61,9 +61,9 @@ def test_sigterm_ends_a_blocked_job(tmp_path):
     assert "SIGTERM received, but" in out and "rank 3 did not answer" in out, out[-3000:]
     assert took < 15, took
     deadline = time.monotonic() + 5
-    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(map(_gone, pids)), "a rank outlived its job"
+    assert all(map(gone, pids)), "a rank outlived its job"
 
 
 def test_uneven_step_counts_end_with_the_ranks_named(tmp_path):
@@ -131,9 +131,9 @@ def test_scancel_signal_ends_a_blocked_slurm_job(slurm_cluster, tmp_path):
     assert took < 20, took
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
     deadline = time.monotonic() + 10
-    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(map(_gone, pids)), "a rank outlived its job"
+    assert all(map(gone, pids)), "a rank outlived its job"
 
 
 def test_second_sigint_ends_a_blocked_job_at_once(tmp_path):
