@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="gpt-1b", choices=sorted(PRESETS))
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--stages", default="0,1,2,3", help='comma-separated, or "none"')
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-flops", type=float, default=0.0, help="per device, dense bf16")
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
               + (f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""), flush=True)
 
     record("torch_plain", guarded("plain torch", lambda: run_torch(cfg, a, dev)))
-    for s in map(int, a.stages.split(",")):
+    for s in [] if a.stages == "none" else map(int, a.stages.split(",")):
         record(f"stage{s}", guarded(f"stage {s}", lambda: run_zerompi(cfg, a, dev, s, s == a.profile_stage)))
     if a.offload:
         record("stage2_offload", guarded("stage 2 offload", lambda: run_zerompi(cfg, a, dev, 2, False, True)))

@@ -122,7 +122,7 @@ try:
     import mpi4py
     d["mpi4py"] = mpi4py.__version__
     from mpi4py import MPI
-    d["library"] = MPI.Get_library_version().splitlines()[0]
+    d["library"] = MPI.Get_library_version().rstrip(chr(0)).splitlines()[0]  # Open MPI ends it with a NUL
     from zerompi.device import _loaded_mpi_libraries, cuda_aware_mpi
     d["loaded"] = _loaded_mpi_libraries()
     d["cuda_aware"] = cuda_aware_mpi()

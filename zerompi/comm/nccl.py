@@ -96,6 +96,15 @@ class _NcclHandle(Handle):
             return True
         return False
 
+    def test(self) -> bool:
+        # after wait() (done: torch's stream is ordered after the collective) the
+        # collective may still be running; keep polling so the buffers are let go
+        if self.done:
+            if self.keep:
+                self._poll()
+            return True
+        return super().test()
+
     def wait(self, timeout: float | None = None) -> None:
         try:
             super().wait(timeout)

@@ -32,7 +32,8 @@ import torch
 
 
 def available() -> bool:
-    """torch has storage data-pointer swaps (2.4 on); otherwise units resize their own storage."""
+    """torch has storage data-pointer swaps (2.13 here has them; the GPU machine's 2.11 has not:
+    benchmarks/results/gpu); otherwise units resize their own storage."""
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
