@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,7 +126,17 @@ def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
         raise
     res = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     res.elapsed = time.monotonic() - t0
+    res.ended = time.time()  # wall clock, to compare with a time a rank printed
     return res
+
+
+def since_all_up(res: subprocess.CompletedProcess) -> float:
+    """Seconds from the worker's `all ranks up at T` line (rank 0, after a barrier) to the
+    end of the job: how fast a failure ends it, without the start-up, which a loaded
+    machine (parallel test workers) stretches by seconds."""
+    m = re.search(r"all ranks up at ([0-9]+\.[0-9]{3})", res.stdout)  # anywhere: ranks share the pipe
+    assert m, f"no 'all ranks up' line: the job failed before its ranks met\n{res.stdout[-3000:]}"
+    return res.ended - float(m.group(1))
 
 
 @contextlib.contextmanager

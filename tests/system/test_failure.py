@@ -1,8 +1,13 @@
 """One failing rank ends the whole job quickly with its message; bad input never hangs.
-Workers run as plain `python fail.py` (no `-m mpi4py`): zerompi's hook must abort."""
+Workers run as plain `python fail.py` (no `-m mpi4py`): zerompi's hook must abort.
+"Quickly" is timed from the moment every rank is up (support/mpirun.since_all_up), so the
+bound holds the failure path, not a start-up that parallel test workers stretch."""
 import pytest
 
-from mpirun import WORKERS, run_mpi
+from mpirun import WORKERS, run_mpi, since_all_up
+
+
+FAST_S = 5  # measured 0.01-0.3 s on the 2-core VM, idle or beside 4 busy processes (start-up: 2-3 s)
 
 
 def _run(n, mode):
@@ -15,7 +20,7 @@ def test_one_rank_raising_aborts_everyone_fast():
     r = _run(3, "raise")
     assert "rank one exploded on purpose" in r.stdout
     assert "[rank 1]" in r.stdout  # the traceback names the failing rank
-    assert r.elapsed < 10, r.elapsed
+    assert since_all_up(r) < FAST_S, since_all_up(r)
 
 
 @pytest.mark.parametrize("mode", ["raise-in-backward-s2", "raise-in-backward-s3", "raise-in-forward-s3"])
@@ -24,7 +29,7 @@ def test_error_inside_forward_or_backward_aborts_everyone(mode):
     directly: no rank may go on issuing or waiting on collectives its peers never match."""
     r = _run(3, mode)
     assert "rank one failed inside" in r.stdout and "[rank 1]" in r.stdout
-    assert r.elapsed < 10, r.elapsed
+    assert since_all_up(r) < FAST_S, since_all_up(r)
 
 
 @pytest.mark.parametrize("mode,needle", [
@@ -36,7 +41,7 @@ def test_error_inside_forward_or_backward_aborts_everyone(mode):
 def test_bad_input_gives_clear_error_without_hanging(mode, needle):
     r = _run(3, mode)
     assert needle in r.stdout, r.stdout[-3000:]
-    assert r.elapsed < 10, r.elapsed
+    assert since_all_up(r) < FAST_S, since_all_up(r)
 
 
 def test_crash_in_torch_names_the_python_line_and_ends_the_job():
@@ -46,7 +51,7 @@ def test_crash_in_torch_names_the_python_line_and_ends_the_job():
     r = _run(3, "released-read-s3")
     assert "Fatal Python error: Segmentation fault" in r.stdout, r.stdout[-3000:]
     assert "fail.py" in r.stdout, r.stdout[-3000:]
-    assert r.elapsed < 20, r.elapsed
+    assert since_all_up(r) < FAST_S + 5, since_all_up(r)  # a crash: the launcher notices a dead rank
 
 
 def test_failing_rank_traceback_always_reaches_stderr():
@@ -64,4 +69,4 @@ def test_failing_rank_traceback_always_reaches_stderr():
         err = r.stderr
         assert f"[rank 1] RuntimeError: rank one exploded on purpose (run{i})" in err, (i, err[-3000:])
         assert "x" * 40_000 + " END" in err, (i, len(err))  # the whole message, to its end
-        assert "Traceback (most recent call last)" in err and r.elapsed < 15, (i, r.elapsed)
+        assert "Traceback (most recent call last)" in err and since_all_up(r) < FAST_S, (i, since_all_up(r))

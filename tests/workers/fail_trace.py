@@ -1,12 +1,15 @@
 """Rank 1 raises with a long traceback (a 40 kB message, more than one write) while the others wait in a collective; launched
 WITHOUT `-m mpi4py`, so zerompi's abort hook must report and end the job."""
 import sys
+import time
 
 import zerompi  # noqa: F401  (installs the abort hook)
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
 comm.Barrier()
+if comm.rank == 0:
+    print(f"all ranks up at {time.time():.3f}", flush=True)  # on stdout: the test reads stderr apart
 print(f"rank {comm.rank} chatter " * 200, flush=True)  # stdout traffic competing with stderr
 
 
