@@ -14,8 +14,27 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 
 # torch first, pinned: an unpinned torch would pull the newest CUDA build (several GB).
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[mpich,test]"
+# pip takes ~8 s even when nothing is to do, so it runs only when the check below fails:
+# this checkout is not the editable install, setup.py is newer than it, or a requirement
+# of ".[mpich,test]" or the torch pin is not met.
+deps_met() {
+    python -I - "$PWD" <<'PY' 2>/dev/null
+import importlib.metadata as md, json, os, sys
+from packaging.requirements import Requirement
+root, d = sys.argv[1], md.distribution("zerompi")
+assert json.loads(d.read_text("direct_url.json")).get("url") == "file://" + root
+meta = next(d.locate_file(f) for f in d.files if f.name == "METADATA")
+assert os.path.getmtime(os.path.join(root, "setup.py")) <= os.path.getmtime(meta)
+for r in map(Requirement, d.requires):
+    if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("mpich", "test")):
+        assert r.specifier.contains(md.version(r.name), prereleases=True), r
+assert md.version("torch").split("+")[0] == "2.13.0"
+PY
+}
+if ! deps_met; then
+    python -m pip install -q "torch==2.13.0"
+    python -m pip install -q -e ".[mpich,test]"
+fi
 export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 # Byte-code for the checkout once, here: every rank of every job imports zerompi and the
 # test workers, and where PYTHONDONTWRITEBYTECODE is set (as on our VMs) each of those
