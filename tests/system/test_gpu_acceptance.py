@@ -113,9 +113,15 @@ def test_an_interrupted_launch_leaves_no_process(tmp_path):
             time.sleep(0.05)
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGINT)
-    threading.Thread(target=interrupt_once_started, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        launch(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=120)
+    # Python ignores SIGINT when started with it ignored (a background job of a script):
+    # the default handler for this test, as under a terminal or `timeout -s INT`
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_started, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            launch(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=120)
+    finally:
+        signal.signal(signal.SIGINT, old)
     pid = int(pid_file.read_text())
     # killed is enough: where PID 1 does not reap orphans (containers), it stays a zombie
     deadline = time.monotonic() + 5

@@ -79,7 +79,8 @@ def test_slurm_across_nodes(net_slurm, tmp_path):
 
 
 BUILD_AND_WAIT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, even if pytest was started with SIGINT ignored
 sys.path.insert(0, {tests!r})
 from netcluster import NetCluster
 net = NetCluster(nodes=2).start()
