@@ -17,22 +17,23 @@ fi
 # pip takes ~8 s even when nothing is to do, so it runs only when the check below fails:
 # this checkout is not the editable install, setup.py is newer than it, or a requirement
 # of ".[mpich,test]" or the torch pin is not met.
+TORCH_PIN=2.13.0
 deps_met() {
-    python -I - "$PWD" <<'PY' 2>/dev/null
+    python -I - "$PWD" "$TORCH_PIN" <<'PY' 2>/dev/null
 import importlib.metadata as md, json, os, sys
 from packaging.requirements import Requirement
-root, d = sys.argv[1], md.distribution("zerompi")
+root, pin, d = sys.argv[1], sys.argv[2], md.distribution("zerompi")
 assert json.loads(d.read_text("direct_url.json")).get("url") == "file://" + root
 meta = next(d.locate_file(f) for f in d.files if f.name == "METADATA")
 assert os.path.getmtime(os.path.join(root, "setup.py")) <= os.path.getmtime(meta)
 for r in map(Requirement, d.requires):
     if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("mpich", "test")):
         assert r.specifier.contains(md.version(r.name), prereleases=True), r
-assert md.version("torch").split("+")[0] == "2.13.0"
+assert md.version("torch").split("+")[0] == pin
 PY
 }
 if ! deps_met; then
-    python -m pip install -q "torch==2.13.0"
+    python -m pip install -q "torch==$TORCH_PIN"
     python -m pip install -q -e ".[mpich,test]"
 fi
 export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo

@@ -13,9 +13,10 @@ FAST = ["--model.preset", "tiny", "--global_batch", "4", "--max_steps", "4", "--
         "--log_interval", "1", "--progress", "lines", "--zero.stage", "2", "--threads", "1"]
 
 
-def train(run_dir, corpus, *extra, n=2, timeout=60, env=None, prefix=()):
-    """`mpiexec -n N python -m zerompi.train` with stdout and stderr apart."""
-    return launch(["mpiexec", "-n", str(n)] + list(prefix) + TRAIN + FAST
+def train(run_dir, corpus, *extra, n=2, timeout=60, env=None, prefix=(), command=TRAIN):
+    """`mpiexec -n N python -m zerompi.train` (or `command`, a wrapper around it) with
+    stdout and stderr apart."""
+    return launch(["mpiexec", "-n", str(n)] + list(prefix) + list(command) + FAST
                   + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra),
                   timeout, env=env, stderr_apart=True)
 

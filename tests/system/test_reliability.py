@@ -233,10 +233,9 @@ def test_dead_jobs_shared_memory_is_removed_at_start(corpus, tmp_path):
     # too (rightly), within the seconds our job takes to start: so rank 0 of our job plants
     # it at the moment it cleans (the selection itself is checked above, in a folder of its own).
     dead = Path(f"/dev/shm/mpich_shm_zerompitest_{os.getpid()}_0")
-    cmd = (["mpiexec", "-n", "2", sys.executable, "-c", PLANT_AT_CLEAN, str(dead)] + FAST
-           + ["--data", corpus, "--run_dir", str(tmp_path / "run"), "--max_steps", "1"])
     try:
-        res = launch(cmd, 60, stderr_apart=True)
+        res = train(tmp_path / "run", corpus, "--max_steps", "1",
+                    command=[sys.executable, "-c", PLANT_AT_CLEAN, str(dead)])
         assert res.returncode == 0, res.stderr[-3000:]
         assert not dead.exists()
         assert "shared-memory segment(s) of dead jobs from /dev/shm" in res.stderr, res.stderr[-3000:]

@@ -99,10 +99,8 @@ class _NcclHandle(Handle):
     def test(self) -> bool:
         # after wait() (done: torch's stream is ordered after the collective) the
         # collective may still be running; keep polling so the buffers are let go
-        if self.done:
-            if self.keep:
-                self._poll()
-            return True
+        if self.done and self.keep:
+            self._poll()
         return super().test()
 
     def wait(self, timeout: float | None = None) -> None:
