@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-flops", type=float, default=0.0, help="per device, dense bf16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto", choices=["auto", "nccl", "mpi"], help="zero.comm.backend")
-    ap.add_argument("--profile-stage", type=int, default=3, help="profile one step of this stage (-1: none)")
+    ap.add_argument("--profile-stages", default="3", help='profile one step of each of these stages ("none")')
     ap.add_argument("--train-steps", type=int, default=0, help="a stage-2 run on the built-in corpus")
     ap.add_argument("--offload", action="store_true", help="also stage 2 with offload_optimizer = cpu")
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
@@ -230,8 +230,9 @@ def main(argv=None) -> int:
               + (f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""), flush=True)
 
     record("torch_plain", guarded("plain torch", lambda: run_torch(cfg, a, dev)))
+    profiled = [] if a.profile_stages == "none" else [int(s) for s in a.profile_stages.split(",")]
     for s in [] if a.stages == "none" else map(int, a.stages.split(",")):
-        record(f"stage{s}", guarded(f"stage {s}", lambda: run_zerompi(cfg, a, dev, s, s == a.profile_stage)))
+        record(f"stage{s}", guarded(f"stage {s}", lambda: run_zerompi(cfg, a, dev, s, s in profiled)))
     if a.offload:
         record("stage2_offload", guarded("stage 2 offload", lambda: run_zerompi(cfg, a, dev, 2, False, True)))
     if a.train_steps:

@@ -121,6 +121,14 @@ def test_offloaded_optimizer_is_bitwise_the_same_run(precision, result):
         assert (a["losses"], a["norms"], a["max_diff"]) == (b["losses"], b["norms"], b["max_diff"]), stage
 
 
+@batched(lambda: parity(3, "--model", "odd", "--clip", "0.05", "--offload", "cpu", "--impl", "fused"))
+def test_offloaded_fused_host_optimizer_parity(result):
+    """Offloaded with implementation = fused (the default with a GPU model): torch's fused
+    CPU AdamW over the host shard, every stage, against single-process AdamW."""
+    check_fp32(result)
+    assert {result[f"stage{s}"]["optimizer"] for s in range(4)} == {"HostFusedAdamW"}
+
+
 @batched(lambda n: parity(n, "--model", "odd", "--clip", "0.05", "--impl", "fused"))
 @pytest.mark.parametrize("n", [2, 3])
 def test_fused_optimizer_parity(n, result):

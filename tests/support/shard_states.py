@@ -24,13 +24,15 @@ def param_groups():
             dict(lr=0.05, betas=(0.3, 0.5), eps=1e-6, weight_decay=0.0)]
 
 
-def make_state(stage, dtype, grad_dtype, device="cpu", rank=1, world=3, block=48, align=4, seed=0):
-    """(ShardState, segments) of `rank` for `stage`, with random parameters and moments."""
+def make_state(stage, dtype, grad_dtype, device="cpu", rank=1, world=3, block=48, align=4, seed=0,
+               offload=False):
+    """(ShardState, segments) of `rank` for `stage`, with random parameters and moments
+    (offload: master, moments and a gradient copy in host memory, as offload_optimizer)."""
     layout = FlatLayout(NUMELS, world, block, align)
     own = ([Chunk(k, s, e, s) for k, (s, e) in enumerate(layout.blocks)] if stage == 0
            else layout.chunks(rank))
     st = ShardState(layout, own, Placement.of(device), dtype, grad_dtype,
-                    replicated=stage < 3, full_grads=stage < 2)
+                    replicated=stage < 3, full_grads=stage < 2, offload=offload)
     gen = torch.Generator().manual_seed(seed)
     full = st.scratch_full32()
     full.copy_(torch.randn(layout.total, generator=gen))

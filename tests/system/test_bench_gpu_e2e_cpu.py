@@ -25,7 +25,7 @@ print(json.dumps({"rc": rc, "events": events}))
 """
 
 SMALL = ["--device", "cpu", "--preset", "tiny", "--micro", "2", "--seq", "32", "--warmup", "1", "--steps", "1",
-         "--stages", "0,3", "--profile-stage", "-1"]
+         "--stages", "0,3", "--profile-stages", "none"]
 
 
 def _bench(tmp_path, *args):

@@ -30,7 +30,9 @@ class OptimizerConfig:
     torch.optim.AdamW). fused: the table-driven CUDA kernels (cuda_src/adamw_table.cu),
     one launch per step for the whole shard; on the CPU their numpy references (slow; the
     GPU's arithmetic bit for bit, for checking a GPU run). auto: fused on a GPU with
-    cupy, torch otherwise. Not used with offload_optimizer = cpu (the host updates)."""
+    cupy, torch otherwise. With offload_optimizer = cpu the host updates: fused is then
+    torch's fused CPU AdamW (one pass over memory, not bitwise the single-tensor path),
+    auto picks it when the model is on a GPU, torch ops otherwise."""
 
     def __post_init__(self) -> None:
         if self.implementation not in ("auto", "torch", "fused"):

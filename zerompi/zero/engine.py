@@ -28,7 +28,7 @@ from .. import runtime
 from ..runtime import watchdog
 from ..config import ZeroConfig
 from ..device import Placement
-from ..optim import ShardedAdamW, build_groups, build_segments
+from ..optim import ShardedAdamW, build_groups, build_segments, host_fused
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
 from . import flat, grads, load_full, state_io
@@ -67,14 +67,19 @@ def _check_dims_device(dims, placement: Placement) -> None:
 
 def _optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str):
     """zero.optimizer.implementation: the table-driven fused kernels (one launch per
-    step for the shard; on the host their numpy references) or torch ops per segment."""
-    if impl == "auto" and state.placement.is_cuda and not state.offload:
+    step for the shard; on the host their numpy references) or torch ops per segment.
+    Offloaded, fused means torch's fused CPU AdamW (the default with a GPU model)."""
+    if state.offload:
+        if (impl == "fused" or (impl == "auto" and state.placement.is_cuda)) and host_fused.available():
+            return host_fused.HostFusedAdamW(segments, state.views, groups, n)
+        return ShardedAdamW(segments, state.views, groups, n)
+    if impl == "auto" and state.placement.is_cuda:
         try:
             import cupy  # noqa: F401
             impl = "fused"
         except ImportError:
             pass
-    if impl == "fused" and not state.offload:
+    if impl == "fused":
         from ..optim.fused_adamw import FusedShardAdamW
 
         return FusedShardAdamW(segments, state, groups, n)
