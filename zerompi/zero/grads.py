@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .partition import FlatLayout
 from .state import ShardState
+from .weak_hooks import weakly
 
 # How gradients reach the optimizer (the engine picks one per stage, zero/engine.py):
 ALL_REDUCE = "all_reduce"            # accumulate in flat_grad; all-reduce at the boundary
@@ -86,7 +87,7 @@ class GradReducer:
         self.completed: list[int] = []   # blocks in the order they became complete
         self.blocks_left = [0] * len(self.params)
         self.poll = poll                 # called while waiting for a bucket (stage 3: serve)
-        self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self.handles = [p.register_post_accumulate_grad_hook(weakly(self, "_accumulated", i))
                         for i, p in enumerate(self.params)]
         self.attach_grads()
 
@@ -114,25 +115,24 @@ class GradReducer:
         self.completed = []
         self.pos = 0 if reduce else len(self.remaining)
 
-    def _make_hook(self, i: int):
-        def hook(p: torch.Tensor) -> None:
-            self.used[i] = 1.0
-            if self.grad_views is not None:
-                v = self.grad_views[i]
-                if p.grad is not v and p.grad is not None:
-                    # user replaced .grad (zero_grad(set_to_none), or fp32 storage): fold in
-                    v.add_(p.grad)
-                    p.grad = v if v.dtype == p.dtype else None
-            if not self.active:
-                return
-            for k in self.param_blocks[i]:
-                self.remaining[k] -= 1
-                if self.remaining[k] == 0:
-                    self.completed.append(k)
-            for h, _, _ in self.inflight:
-                h.test()  # drive MPI progress of earlier buckets
-            self._launch_ready(final=False)
-        return hook
+    def _accumulated(self, i: int, p: torch.Tensor) -> None:
+        """Parameter i's gradient is complete for this backward (its hook, weak_hooks.py)."""
+        self.used[i] = 1.0
+        if self.grad_views is not None:
+            v = self.grad_views[i]
+            if p.grad is not v and p.grad is not None:
+                # user replaced .grad (zero_grad(set_to_none), or fp32 storage): fold in
+                v.add_(p.grad)
+                p.grad = v if v.dtype == p.dtype else None
+        if not self.active:
+            return
+        for k in self.param_blocks[i]:
+            self.remaining[k] -= 1
+            if self.remaining[k] == 0:
+                self.completed.append(k)
+        for h, _, _ in self.inflight:
+            h.test()  # drive MPI progress of earlier buckets
+        self._launch_ready(final=False)
 
     def flush(self) -> None:
         """Called after loss.backward(): launch the blocks not launched yet (a parameter

@@ -34,6 +34,7 @@ from .init_context import adopt
 from .rounds import Rounds
 from .params import Plan, keep_changes
 from .secondary import Secondary
+from .weak_hooks import weakly
 
 class _Unit:
     def __init__(self, idx: int, name: str, roots, params: list[int], blocks: range,
@@ -142,10 +143,12 @@ class PartitionedParams:
         self._hooks = []
         for u in self.units:
             for j, root in enumerate(u.roots):
-                self._hooks.append(root.register_forward_pre_hook(self._pre_forward(u)))
-                self._hooks.append(root.register_forward_hook(self._post_forward(u, j == len(u.roots) - 1)))
+                self._hooks.append(root.register_forward_pre_hook(weakly(self, "_pre_forward", u.idx)))
+                self._hooks.append(root.register_forward_hook(
+                    weakly(self, "_post_forward", u.idx, j == len(u.roots) - 1)))
         for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_done(self.unit_of[id(p)])))
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                weakly(self, "_grad_done", self.unit_of[id(p)].idx)))
 
     # ------------------------------------------------------------------ phases (engine calls)
     # On an exception in forward/backward nothing below runs: waiting on in-flight
@@ -270,35 +273,30 @@ class PartitionedParams:
             self._release(u)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, u: _Unit):
-        def hook(mod, args):
-            self._fetch(u)
-        return hook
+    # Each takes the unit's index and the hook's own arguments, and returns None (a value
+    # returned by a forward or gradient hook would replace the output or the gradient).
+    def _pre_forward(self, u: int, mod, args) -> None:
+        self._fetch(self.units[u])
 
-    def _post_forward(self, u: _Unit, last: bool):
-        def hook(mod, args, output):
-            if self._phase == "backward":
-                return  # recomputation (activation checkpointing): backward still needs it
-            if last:  # a coalesced unit stays gathered for its next roots (else: phase end)
-                self._release(u)
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._pre_backward(u))
-        return hook
+    def _post_forward(self, u: int, last: bool, mod, args, output) -> None:
+        if self._phase == "backward":
+            return  # recomputation (activation checkpointing): backward still needs it
+        if last:  # a coalesced unit stays gathered for its next roots (else: phase end)
+            self._release(self.units[u])
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(weakly(self, "_pre_backward", u))
 
-    def _pre_backward(self, u: _Unit):
-        def hook(grad):
-            self._fetch(u)
-        return hook
+    def _pre_backward(self, u: int, grad) -> None:
+        self._fetch(self.units[u])
 
-    def _grad_done(self, u: _Unit):
-        def hook(p):
-            u.pending -= 1
-            if u.pending == 0:
-                self._release(u)
-                self._trim.released(u.size * u.full.element_size())  # ~ its gradients' bytes
-        return hook
+    def _grad_done(self, u: int, p) -> None:
+        unit = self.units[u]
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._release(unit)
+            self._trim.released(unit.size * unit.full.element_size())  # ~ its gradients' bytes
 
     # ------------------------------------------------------------------ errors
     def explain(self, exc: BaseException) -> Exception | None:
