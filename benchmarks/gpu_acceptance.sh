@@ -115,7 +115,7 @@ mpi_works() {
         timeout 60 mpiexec -n 2 "$PY" -c "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()" >>"$LOG" 2>&1
 }
 
-log "gpu_acceptance: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) budget ${BUDGET}s dry-run $DRY"
+log "gpu_acceptance: $(date -u +%FT%TZ) commit $(git describe --always --dirty 2>/dev/null) budget ${BUDGET}s dry-run $DRY"
 
 # 1 ---------------------------------------------------------------- environment
 step env-probe 45 10 "$PY" benchmarks/gpu_env_probe.py "$ENVF"

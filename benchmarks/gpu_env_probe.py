@@ -165,7 +165,9 @@ def main(argv: list[str]) -> int:
              ("torch", lambda: guarded(torch_info)), ("mpi", lambda: child(MPI_CHILD, 20)),
              ("nvcc", lambda: run(["nvcc", "--version"]).get("out", "not found").splitlines()[-1:]),
              ("versions", lambda: guarded(versions)),
-             ("zerompi_commit", lambda: run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).get("out")),
+             # "-dirty": the files that ran differ from that commit (a device copy of a working tree)
+             ("zerompi_commit", lambda: run(["git", "-C", str(ROOT), "describe", "--always", "--dirty",
+                                             "--abbrev=40"]).get("out")),
              ("cupy_nccl", lambda: child(NCCL_CHILD, 25))]
     for key, fn in parts:
         p[key] = fn()
