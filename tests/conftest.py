@@ -46,8 +46,11 @@ def _xdist_group(item, rel: tuple) -> str | None:
             return group
     if rel[-1] in OWN_NODES:
         return "netns"
-    if "result" in item.fixturenames:  # a worker runs every planned case of a size it needs,
-        return "batch"                  # and some tests need two sizes (a resume at another N)
+    if "result" in item.fixturenames:  # batched cases: one group per world size (support/batch.py)
+        from batch import cases_of, group_name
+
+        value = cases_of(item)
+        return group_name(value) if value is not None else None
     return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
 
 

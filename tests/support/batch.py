@@ -84,6 +84,24 @@ def cases_of(item) -> tuple | Case | None:
     return make(**{k: params[k] for k in inspect.signature(make).parameters})
 
 
+def sizes(value) -> set[int]:
+    """World sizes of cases_of()'s cases and of what they need."""
+    return {n for c in _flat(value) for n in ({c.n} | sizes(c.needs))}
+
+
+def group_name(value) -> str:
+    """The pytest-xdist group of a test with these cases (conftest.py): one per world size,
+    so the launches of different sizes run on different workers side by side; a test
+    whose cases span sizes (a resume at another N) goes with its largest, and that worker
+    launches the other size for those cases alone."""
+    return f"batch-n{max(sizes(value), default=0)}"
+
+
+def launch_group(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark is not None and mark.args else None
+
+
 def _skipped(item) -> bool:
     """Skipped by a mark whose condition is already decided (skip, skipif(True, ...))."""
     if item.get_closest_marker("skip") is not None:
@@ -110,7 +128,8 @@ class Batches:
         self.session, self.root = session, root
         self.done: dict[Case, Outcome] = {}
         self.timeouts: dict[Case, float] = {c: c.timeout for c in plan or ()}
-        self._planned: list[Case] | None = list(plan) if plan is not None else None
+        self._given = list(plan) if plan is not None else None
+        self._planned: dict[str | None, list[Case]] = {}  # per xdist group (launch_group)
         self.env = {**LAUNCH_ENV, **(env or {})}
         self._launches = 0
 
@@ -120,8 +139,9 @@ class Batches:
         value = cases_of(item)
         if value is None:
             raise pytest.UsageError(f"{item.nodeid} takes `result` without @pytest.mark.batched")
+        group = launch_group(item)
         for case in _flat(value):
-            out = self.get(case)
+            out = self.get(case, group)
             if out.error is not None:
                 pytest.fail(f"case `{case.name}` failed:\n{out.error}", pytrace=False)
         return self._shape(value)
@@ -131,18 +151,22 @@ class Batches:
             return self.done[value].result
         return tuple(self._shape(v) for v in value)
 
-    def get(self, case: Case) -> Outcome:
+    def get(self, case: Case, group: str | None = None) -> Outcome:
         if case not in self.done:
             for d in case.needs:  # built from existing cases, so the needs never form a cycle
-                self.get(d)
+                self.get(d, group)
             if case not in self.done:
-                self._run_size(case)
+                self._run_size(case, group)
         return self.done[case]
 
     # ------------------------------------------------------------------ planning
-    def _plan(self) -> list[Case]:
-        """Every case the selected tests declare, a case's `needs` before it."""
-        if self._planned is None:
+    def _plan(self, group: str | None) -> list[Case]:
+        """Every case the selected tests of `group` declare, a case's `needs` before it.
+        A pytest-xdist worker runs whole groups, so planning another group's cases would
+        run them twice, once on each worker."""
+        if self._given is not None:
+            return self._given
+        if group not in self._planned:
             order: dict[Case, None] = {}
 
             def add(c: Case):
@@ -152,17 +176,17 @@ class Batches:
                 self.timeouts[c] = max(self.timeouts.get(c, 0.0), c.timeout)
 
             for item in self.session.items:
-                value = cases_of(item)
+                value = cases_of(item) if launch_group(item) == group else None
                 if value is not None:
                     for c in _flat(value):
                         add(c)
-            self._planned = list(order)
-        return self._planned
+            self._planned[group] = list(order)
+        return self._planned[group]
 
-    def _run_size(self, case: Case) -> None:
+    def _run_size(self, case: Case, group: str | None) -> None:
         """One launch (more after a case that ends one) of every planned case of this
         world size whose needs are met: done, or earlier in the same launch."""
-        plan = self._plan()
+        plan = self._plan(group)
         if case not in plan:  # not seen at collection (cannot happen with batched tests)
             plan.append(case)
             self.timeouts.setdefault(case, case.timeout)

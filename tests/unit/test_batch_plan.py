@@ -1,19 +1,22 @@
 """How tests/support/batch.py plans a session's batched cases, without launching: every
 selected test's cases once, what a case needs before it, the longest timeout asked for
-an equal case, nothing of tests skipped at collection."""
+an equal case, nothing of tests skipped at collection, only the cases of the asking
+test's xdist group (one group per world size)."""
 import types
 
 import pytest
 
-from batch import Batches, Case, batched, cases_of, worker
+from batch import Batches, Case, batched, cases_of, group_name, worker
 
 
 class Item:
     """The part of a pytest item the planner reads."""
 
-    def __init__(self, make, params=None, marks=()):
+    def __init__(self, make, params=None, marks=(), group=None):
         self.callspec = types.SimpleNamespace(params=params) if params is not None else None
         self.marks = [batched(make).mark] + [m.mark for m in marks]
+        if group is not None:
+            self.marks.append(pytest.mark.xdist_group(group).mark)
 
     def get_closest_marker(self, name):
         return next((m for m in self.marks if m.name == name), None)
@@ -31,7 +34,7 @@ def test_plan_deduplicates_orders_needs_first_and_leaves_skipped_tests_out(tmp_p
              Item(lambda: worker(2, "never"), marks=[pytest.mark.skip(reason="x")])]
     b = Batches(types.SimpleNamespace(items=items), tmp_path)
     odd = worker(2, "parity", "--model", "odd")
-    assert b._plan() == [odd, save, load]
+    assert b._plan(None) == [odd, save, load]
     assert b.timeouts == {odd: 180, save: 400, load: 180}  # equal cases: the longest timeout
     assert cases_of(items[1]) == (load, odd) and cases_of(items[2]) is None
 
@@ -42,3 +45,16 @@ def test_case_names_and_equality():
     assert c == Case(2, "device_bind", ("--x", "a b"), (("V", "1"),))  # the timeout is not the case
     assert c != worker(3, "device_bind", "--x", "a b", env={"V": "1"})
     assert worker(1, "w", copy={"d": "/src"}).copy == (("d", "/src"),)
+
+
+def test_plan_per_group_and_group_names():
+    """A worker plans only its group's cases (another worker runs the others); a test whose
+    cases span sizes goes with its largest size."""
+    save = worker(4, "tp_parity", "--save", "{tmp}/ck")
+    load = worker(3, "tp_parity", "--load", "{tmp}/ck", needs=(save,))
+    odd = worker(3, "parity", "--model", "odd")
+    assert group_name(load) == group_name((odd, save)) == "batch-n4" and group_name(odd) == "batch-n3"
+    items = [Item(lambda: odd, group="batch-n3"), Item(lambda: load, group="batch-n4")]
+    b = Batches(types.SimpleNamespace(items=items), None)
+    assert b._plan("batch-n3") == [odd]
+    assert b._plan("batch-n4") == [save, load]
