@@ -41,13 +41,13 @@ export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 # test workers, and where PYTHONDONTWRITEBYTECODE is set (as on our VMs) each of those
 # hundreds of processes would compile them again (~0.25 CPU-s each, measured).
 python -m compileall -q zerompi tests benchmarks > /dev/null
-# pytest-xdist workers (the `test` extra): three for every tier on two cores, because a
-# third of the suite's wall time is waiting (Slurm jobs, deadlines, ranks that sleep) during
-# which a third worker keeps both cores busy (tests/README.md has the timings); two for the
-# in-process quick tier, which never waits. The groups that must share a worker (one Slurm
-# cluster, one bed of simulated nodes, the batched cases of one world size) are set by
-# tests/conftest.py; ZEROMPI_TEST_WORKERS=N sets the number, 0 runs all in this process.
-n_workers="${ZEROMPI_TEST_WORKERS:-$([ "$quick" = 1 ] && echo 2 || echo 3)}"
+# Two pytest-xdist workers (the `test` extra): while one waits (a Slurm job, a deadline, a
+# rank that sleeps) the other runs. Three were faster on average on two cores but spread
+# widely and stretched start-up-sensitive timings (tests/README.md). The groups that must
+# share a worker (one Slurm cluster, one bed of simulated nodes, the batched cases of one
+# world size) are set by tests/conftest.py; ZEROMPI_TEST_WORKERS=N sets the number, 0 runs
+# everything in this one process.
+n_workers="${ZEROMPI_TEST_WORKERS:-2}"
 workers=(-n "$n_workers" --dist loadgroup)
 if [ "$n_workers" = 0 ]; then workers=(); fi
 if [ "$quick" = 1 ]; then
