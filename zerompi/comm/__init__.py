@@ -1,6 +1,7 @@
 """Communicators: the collectives ZeRO needs, behind one protocol (base.Communicator).
 
-What each backend does (GPU paths are built but have NOT run on a GPU yet: issue 11):
+What each backend does (GPU paths ran on one H100, benchmarks/results/gpu/: NCCL at one
+rank only, the staged path with 2-3 ranks sharing the GPU; CUDA-aware MPI has not run):
 - mpi (MPICommunicator, mpi.py): CPU tensors, passed to MPI zero-copy from their raw
   addresses; non-blocking collectives (Ialltoall, Iallgather, Iallreduce,
   Ireduce_scatter_block) return a Handle whose wait() takes a deadline. The default
@@ -12,14 +13,14 @@ What each backend does (GPU paths are built but have NOT run on a GPU yet: issue
   takes device addresses after synchronising torch's current stream; otherwise
   StagedMPICommunicator (staged.py) moves them through two constant-size pinned host
   slots, double-buffered, copies on a side stream. Staged calls complete before they
-  return. The chunk pipeline is tested on CPU (tests/multirank/test_comm_gpu.py); the CUDA copier
-  and the CUDA-aware path are unverified. Every tensor collective is staged, gather()
+  return. The chunk pipeline is tested on CPU (tests/multirank/test_comm_gpu.py) and ran
+  on the GPU; the CUDA-aware path is unverified. Every tensor collective is staged, gather()
   (stage 3's full_state_dict) included.
 - nccl (NCCLCommunicator, nccl.py): CUDA tensors over cupy.cuda.nccl, one GPU per rank;
   own stream ordered by events, async handles whose wait(timeout) aborts the NCCL
   communicator at the deadline; 'ordered' reduce-scatter as all-to-all (grouped
-  send/recv) + rank-order sum, 'native' NCCL's own (order not fixed). Unverified: no
-  GPU has run it.
+  send/recv) + rank-order sum, 'native' NCCL's own (order not fixed). Ran at one rank
+  (where NCCL moves nothing); several GPUs are unverified.
 - auto: NCCL when the tensors live on a GPU (device="cuda[:k]"), cupy with NCCL is
   importable on every rank and no two ranks share a GPU; MPI on CUDA tensors when ranks
   share a GPU or NCCL is missing; plain MPI for CPU tensors (device None or cpu).
