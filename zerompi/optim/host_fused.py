@@ -13,6 +13,7 @@ GPU (where nothing is bitwise torch anyway) and when asked for (implementation =
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -20,8 +21,20 @@ import torch
 from .adamw import ShardedAdamW
 
 
+@lru_cache(maxsize=1)
 def available() -> bool:
-    return hasattr(torch, "_fused_adamw_")
+    """Whether this torch has the fused AdamW kernel for CPU tensors (2.4 on; 2.3, which
+    setup.py allows, has it for CUDA only): asked once, on one element."""
+    if not hasattr(torch, "_fused_adamw_"):
+        return False
+    one = [torch.zeros(1) for _ in range(4)]
+    try:
+        torch._fused_adamw_([one[0]], [one[1]], [one[2]], [one[3]], [], [torch.ones(())], lr=0.0,
+                            beta1=0.9, beta2=0.9, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                            maximize=False)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class HostFusedAdamW(ShardedAdamW):
