@@ -1,8 +1,8 @@
 """Dropping an engine frees what it built: the model, its shards, gradients and buffers.
 
 torch keeps parameters' and activations' Python objects alive from C++, so a hook on a
-tensor that refers back to the engine would make an uncollectable cycle (a 1B stage-3
-engine's 24 GB outlived it on the GPU, benchmarks/results/gpu/h100-2026-11-27b). Users
+tensor that refers back to the engine would make an uncollectable cycle (a 1B model's dropped
+engines still held 24 GB on the GPU, benchmarks/results/gpu/h100-2026-11-27b). Users
 building engines in one process (sweeps, notebooks, tests) would leak a model each."""
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 torch keeps the Python objects of parameters and activations alive from C++, where the
 garbage collector cannot follow, so a cycle through a tensor's hooks (parameter -> hook
 -> engine part -> model -> parameter) is never collected: dropping the engine would leak
-the model, its shards, gradients and buffers (seen on the GPU: a 1B stage-3 engine's
-24 GB outlived it). Hooks on tensors therefore reach their owner through a weak
+the model, its shards, gradients and buffers (seen on the GPU: a 1B model's dropped
+stage-2 and stage-3 engines still held 24 GB). Hooks on tensors therefore reach their owner through a weak
 reference; the engine holds the owner, and once it is gone the hooks do nothing.
 """
 from __future__ import annotations
