@@ -104,9 +104,7 @@ class ShardedAdamW:
     def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
         """One update; gradients are multiplied by `grad_coef` (unscale x clip) first;
         parameters with used[i] False are skipped."""
-        for i in range(len(self.steps)):
-            if used is None or used[i]:
-                self.steps[i] += 1
+        self._count_steps(used)
         for s, (p, g, exp_avg, exp_avg_sq, lowp) in zip(self.segments, self._views):
             if used is not None and not used[s.param]:
                 continue
@@ -126,6 +124,13 @@ class ShardedAdamW:
             p.addcdiv_(exp_avg, denom, value=-step_size)
             if lowp is not None:
                 lowp.copy_(p)
+
+    def _count_steps(self, used: Sequence[bool] | None) -> None:
+        """Advance the step count of every parameter that got a gradient (every subclass's
+        step starts here: the counts drive bias correction and are checkpointed)."""
+        for i in range(len(self.steps)):
+            if used is None or used[i]:
+                self.steps[i] += 1
 
     @property
     def views(self) -> list:

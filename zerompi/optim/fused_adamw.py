@@ -63,9 +63,7 @@ class FusedShardAdamW(ShardedAdamW):
         executor.bind(bufs, self.table)
 
     def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
-        for i in range(len(self.steps)):
-            if used is None or used[i]:
-                self.steps[i] += 1
+        self._count_steps(used)
         self.executor.adamw(self.step_rows(grad_coef, used))
 
     def step_rows(self, grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:

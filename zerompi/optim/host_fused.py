@@ -53,9 +53,7 @@ class HostFusedAdamW(ShardedAdamW):
     def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
         """As ShardedAdamW.step. The gradients are divided in place by 1/grad_coef (the
         kernel's grad_scale): they are the host copy, rewritten before every update."""
-        for i in range(len(self.steps)):
-            if used is None or used[i]:
-                self.steps[i] += 1
+        self._count_steps(used)
         batches: dict[tuple[int, int], list] = {}
         for s, v in zip(self.segments, self._views):
             if used is None or used[s.param]:

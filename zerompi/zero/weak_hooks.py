@@ -16,10 +16,10 @@ def weakly(owner, method: str, *args):
     """A hook calling owner.method(*args, *its own arguments) while owner lives. Always
     returns None (a value returned by a forward or gradient hook would replace the
     output or the gradient)."""
-    ref = weakref.ref(owner)
+    ref, fn = weakref.ref(owner), getattr(type(owner), method)  # looked up once, not per call
 
     def hook(*a) -> None:
         live = ref()
         if live is not None:
-            getattr(live, method)(*args, *a)
+            fn(live, *args, *a)
     return hook
