@@ -344,4 +344,5 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
 
 
 if __name__ == "__main__":
+    runtime.freeze_startup_heap()  # the command only: main() may run inside a caller's process
     sys.exit(main())

@@ -19,6 +19,8 @@ import traceback
 
 from mpi4py import MPI
 from zerompi.comm import mpi as zmpi
+import zerompi.runtime
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 # a peer still computing its part of a case reaches the agreement sooner than this
 GRACE_S = float(os.environ.get("BATCH_GRACE_S", "20"))

@@ -33,6 +33,7 @@ import torch  # noqa: F401  (imported before fork: children start warm)
 import zerompi
 from zerompi.checkpoint import CheckpointError, flush, poll, save, verify_checkpoint
 from common import global_batch, make_model, micro_slices, vocab_of
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dir", required=True)

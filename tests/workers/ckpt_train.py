@@ -31,6 +31,7 @@ import zerompi.checkpoint
 from zerompi.checkpoint import CheckpointError
 from zerompi.checkpoint.staging import Snapshot
 from common import global_batch, make_model, micro_slices, vocab_of
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

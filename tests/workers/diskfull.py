@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import zerompi
 from zerompi.checkpoint import CheckpointError, poll, verify_checkpoint
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 d, out = sys.argv[1], sys.argv[2]
 mode = sys.argv[3] if len(sys.argv) > 3 else "sync"

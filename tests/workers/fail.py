@@ -7,6 +7,7 @@ import torch
 
 import zerompi
 from mpi4py import MPI
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 mode = sys.argv[1]
 rank = MPI.COMM_WORLD.rank

@@ -22,6 +22,7 @@ import torch
 import zerompi
 from zerompi.runtime import watchdog
 from mpi4py import MPI
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 mode, stage = sys.argv[1], int(sys.argv[2])
 rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size

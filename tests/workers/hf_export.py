@@ -7,6 +7,7 @@ import torch
 import transformers as tf
 
 import zerompi
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dir")

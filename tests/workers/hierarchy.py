@@ -25,6 +25,7 @@ from common import global_batch, make_model, micro_slices, reference_run, vocab_
 from zerompi.models.gpt import GPT, GPTConfig
 from zerompi.parallel import ParallelDims
 from zerompi.parallel.parallelize import parallelize
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 MODES = {
     "flat": {"comm": {"hierarchical": "off"}},

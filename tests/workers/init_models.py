@@ -12,6 +12,7 @@ import zerompi
 import zoo
 from common import make_model
 from zerompi.zero.init_context import adopt
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 warnings.filterwarnings("ignore")  # transformers' config chatter
 ap = argparse.ArgumentParser()

@@ -11,6 +11,7 @@ import torch.nn as nn
 from mpi4py import MPI
 
 import zerompi
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

@@ -9,6 +9,8 @@ import socket
 import torch
 
 from zerompi.parallel import ParallelDims
+import zerompi.runtime
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

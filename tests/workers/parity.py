@@ -12,6 +12,7 @@ from mpi4py import MPI
 import zerompi
 from zerompi.optim import decay_groups
 from common import global_batch, make_model, micro_slices, reference_run, vocab_of
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

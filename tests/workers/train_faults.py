@@ -12,6 +12,8 @@ import time
 import zerompi.train
 from zerompi.checkpoint import background
 from zerompi.zero.engine import ZeroEngine
+import zerompi.runtime
+zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 
 slow = float(os.environ.get("ZEROMPI_TEST_SLOW_WRITE", "0"))
 if slow:  # in the rank, before the file is handed to the writer (helper process or thread)

@@ -1,7 +1,7 @@
 """What a job needs around the training itself: MPI start-up and whole-job abort
 (abort.py), cross-rank agreement (agree.py), glibc heap helpers (malloc.py), deadlines
 on collective waits and stop signals (watchdog.py), the run directory's lock
-(rundir.py), atomic file writes (fileio.py).
+(rundir.py), atomic file writes (fileio.py), the collector after start-up (pygc.py).
 
 `zerompi.runtime.X` keeps every name it had when runtime was one module."""
 from .abort import (JobError, abort, exit_together, init, install_abort_hook, mpi, one_line_job_errors,
@@ -9,8 +9,9 @@ from .abort import (JobError, abort, exit_together, init, install_abort_hook, mp
 from .agree import (agree, as_items, check_same_everywhere, first_difference, merged, raise_agreed, raise_found,
                     same_everywhere)
 from .malloc import MMAP_THRESHOLD, HeapTrimmer, fix_mmap_threshold, release_free_memory
+from .pygc import freeze_startup_heap
 
 __all__ = ["JobError", "abort", "exit_together", "init", "install_abort_hook", "mpi", "one_line_job_errors",
            "seed_everything", "agree", "as_items", "check_same_everywhere", "first_difference", "merged",
            "raise_agreed", "raise_found", "same_everywhere", "MMAP_THRESHOLD", "HeapTrimmer", "fix_mmap_threshold",
-           "release_free_memory"]
+           "release_free_memory", "freeze_startup_heap"]
