@@ -21,6 +21,7 @@ import numpy as np
 from .malloc import fix_mmap_threshold
 
 _hook_installed = False
+EXIT_PAUSE_S = 0.3  # exit_together: the slowest rank's Finalize tail took 7 ms idle, far more on a loaded node
 
 
 def mpi():
@@ -197,7 +198,15 @@ def exit_together(code: int, world, before=(), stop_mpi_users=()) -> None:
     (`before`: callables), a barrier (under the watchdog), `stop_mpi_users` (threads that
     call MPI, the watchdog's), MPI_Finalize (a skipped one leaves MPICH segments named
     after the Slurm job and step, which the requeued job, same names, would attach to and
-    die in MPI_Init), then os._exit without the interpreter's slow exit."""
+    die in MPI_Init), a pause, then os._exit without the interpreter's slow exit.
+
+    The pause: mpiexec (hydra) kills the other ranks as soon as one exits. A rank killed
+    after its Finalize reached the process manager goes unreported and the job's status
+    is CODE; one killed while still inside Finalize is reported as a "BAD TERMINATION" and
+    the status becomes 9 (seen once in ~60 runs of a 2-rank stop on the loaded 2-core VM:
+    exit 124 expected). Finalize waits for every rank, then a rank still has its tail to
+    run; a rank sleeping after Finalize while another exits is killed unreported (124).
+    Under srun every rank exits CODE at nearly the same moment, pause or not."""
     for fn in before:
         fn()
     for t in threading.enumerate():  # as interpreter exit would (a checkpoint rotation's delete)
@@ -209,4 +218,5 @@ def exit_together(code: int, world, before=(), stop_mpi_users=()) -> None:
     for fn in stop_mpi_users:
         fn()
     mpi().Finalize()
+    time.sleep(EXIT_PAUSE_S)  # every rank's Finalize done before the first exit (above)
     os._exit(code)
