@@ -48,7 +48,7 @@ python -m compileall -q zerompi tests benchmarks > /dev/null
 # world size) are set by tests/conftest.py; ZEROMPI_TEST_WORKERS=N sets the number, 0 runs
 # everything in this one process.
 n_workers="${ZEROMPI_TEST_WORKERS:-2}"
-workers=(-n "$n_workers" --dist loadgroup)
+workers=(-n "$n_workers" --dist loadgroup --no-loadscope-reorder)  # the order: conftest.py HEAD
 if [ "$n_workers" = 0 ]; then workers=(); fi
 if [ "$quick" = 1 ]; then
     exec python -m pytest -q -rs "${workers[@]}" -m "not mpi and not slurm and not system" tests "$@"
