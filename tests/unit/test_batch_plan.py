@@ -1,7 +1,8 @@
 """How tests/support/batch.py plans a session's batched cases, without launching: every
 selected test's cases once, what a case needs before it, the longest timeout asked for
 an equal case, nothing of tests skipped at collection, only the cases of the asking
-test's xdist group (one group per world size)."""
+test's xdist group (one group per world size); and the order the workers take the
+groups in (conftest.py)."""
 import types
 
 import pytest
@@ -58,3 +59,22 @@ def test_plan_per_group_and_group_names():
     b = Batches(types.SimpleNamespace(items=items), None)
     assert b._plan("batch-n3") == [odd]
     assert b._plan("batch-n4") == [save, load]
+
+
+def test_worker_order_puts_the_waiting_groups_and_the_launches_first():
+    """conftest.HEAD first, in its order; then the other groups, most tests first; a group's
+    tests keep their order and stay together; ungrouped tests keep theirs."""
+    from types import SimpleNamespace
+
+    from conftest import HEAD, _worker_order
+
+    def item(nodeid, group=None):
+        mark = SimpleNamespace(args=(group,)) if group else None
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name, m=mark: m)
+
+    items = [item("u1"), item("a1", "files/a"), item("n1", "netns"), item("b1", "files/b"), item("s1", "slurm"),
+             item("b2", "files/b"), item("u2"), item("c1", "batch-n2"), item("s2", "slurm"), item("a2", "files/a"),
+             item("b3", "files/b")]
+    got = [i.nodeid for i in _worker_order(items)]
+    assert HEAD.index("slurm") < HEAD.index("batch-n2") < HEAD.index("netns")
+    assert got == ["s1", "s2", "c1", "n1", "b1", "b2", "b3", "a1", "a2", "u1", "u2"]
