@@ -273,6 +273,17 @@ class NetCluster:
         if self._own_workdir and not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
+    @staticmethod
+    def remove(tag: str) -> None:
+        """Delete the namespaces and links of the cluster tagged `tag` (one whose process was
+        killed before its stop() ran); its processes must be gone already."""
+        for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+            if line.startswith(f"zn{tag}-"):
+                _sh("ip", "netns", "del", line.split()[0], check=False)
+        _sh("ip", "link", "del", f"zb{tag}", check=False)
+        for d in Path(tempfile.gettempdir()).glob(f"znet-{tag}-*"):  # its own workdir
+            shutil.rmtree(d, ignore_errors=True)
+
     def __enter__(self) -> "NetCluster":
         return self.start()
 

@@ -103,21 +103,32 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_cleanup_on_interrupt(net_nodes, sig):
+def test_cleanup_on_interrupt(net_nodes, sig, tmp_path):
     """A test process interrupted (Ctrl-C, or a CI timeout's SIGTERM) while its nodes run
     a process: the namespaces, links and that process are gone afterwards."""
+    from netcluster import NetCluster
+
     code = BUILD_AND_WAIT.format(tests=str(Path(__file__).parents[1] / "support"))
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=f, text=True,
+                             start_new_session=True)
+    tag = None
     try:
         line = p.stdout.readline()
         assert line.startswith("READY"), line
         tag, *pids = line.split()[1:]
         os.kill(p.pid, sig)
-        p.wait(timeout=30)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 30 s after signal {sig}; its stderr:\n{err.read_text()[-3000:]}")
     finally:
-        if p.poll() is None:
+        if p.poll() is None:  # the test failed: kill it and remove what its stop() did not
             os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            if tag:
+                NetCluster.remove(tag)
     time.sleep(0.2)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
