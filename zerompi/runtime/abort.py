@@ -202,10 +202,10 @@ def exit_together(code: int, world, before=(), stop_mpi_users=()) -> None:
 
     The pause: mpiexec (hydra) kills the other ranks as soon as one exits. A rank killed
     after its Finalize reached the process manager goes unreported and the job's status
-    is CODE; one killed while still inside Finalize is reported as a "BAD TERMINATION" and
-    the status becomes 9 (seen once in ~60 runs of a 2-rank stop on the loaded 2-core VM:
-    exit 124 expected). Finalize waits for every rank, then a rank still has its tail to
-    run; a rank sleeping after Finalize while another exits is killed unreported (124).
+    is CODE (checked: a rank sleeping after Finalize while another exits). Finalize waits
+    for every rank, then each still runs a few ms of tail; a rank killed there is, by our
+    reading of the one failure seen (a 2-rank stop on the loaded 2-core VM, ~60 runs), a
+    "BAD TERMINATION" with status 9 instead of 124.
     Under srun every rank exits CODE at nearly the same moment, pause or not."""
     for fn in before:
         fn()
