@@ -102,10 +102,9 @@ HEAD = ("slurm", "batch-n2", "batch-n4", "batch-n3", "netns")
 
 
 def _worker_order(items: list) -> list:
-    def scope(item):
-        g = item.get_closest_marker("xdist_group")
-        return g.args[0] if g else item.nodeid
-    scopes = [scope(i) for i in items]
+    from batch import launch_group
+
+    scopes = [launch_group(i) or i.nodeid for i in items]
     count, first = Counter(scopes), {}
     for k, sc in enumerate(scopes):
         first.setdefault(sc, k)

@@ -42,8 +42,8 @@ export OMP_NUM_THREADS=1 UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo
 # hundreds of processes would compile them again (~0.25 CPU-s each, measured).
 python -m compileall -q zerompi tests benchmarks > /dev/null
 # Two pytest-xdist workers (the `test` extra): while one waits (a Slurm job, a deadline, a
-# rank that sleeps) the other runs. Three were faster on average on two cores but spread
-# widely and stretched start-up-sensitive timings (tests/README.md). The groups that must
+# rank that sleeps) the other runs. Three (574-689 s, measured before the order below)
+# cost CPU in contention and stretched start-up-sensitive timings (tests/README.md). The groups that must
 # share a worker (one Slurm cluster, one bed of simulated nodes, the batched cases of one
 # world size) are set by tests/conftest.py; ZEROMPI_TEST_WORKERS=N sets the number, 0 runs
 # everything in this one process.

@@ -275,8 +275,9 @@ class NetCluster:
 
     @staticmethod
     def remove(tag: str) -> None:
-        """Delete the namespaces and links of the cluster tagged `tag` (one whose process was
-        killed before its stop() ran); its processes must be gone already."""
+        """Delete the namespaces, bridge and own workdir of the cluster tagged `tag` (one whose
+        process was killed before its stop() ran; the veths go with the namespaces); its
+        processes must be gone already."""
         for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
             if line.startswith(f"zn{tag}-"):
                 _sh("ip", "netns", "del", line.split()[0], check=False)

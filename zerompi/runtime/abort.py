@@ -21,7 +21,7 @@ import numpy as np
 from .malloc import fix_mmap_threshold
 
 _hook_installed = False
-EXIT_PAUSE_S = 0.3  # exit_together: the slowest rank's Finalize tail took 7 ms idle, far more on a loaded node
+EXIT_PAUSE_S = 0.3  # exit_together: a rank's Finalize tail took 7 ms on an idle node; ~40x that for a loaded one
 
 
 def mpi():
