@@ -34,7 +34,12 @@ Exit codes:
 """
 from __future__ import annotations
 
-import dataclasses
+from .runtime import pygc
+
+if __name__ == "__main__":
+    pygc.pause_collector()  # until the imports below are done (runtime/pygc.py)
+
+import dataclasses  # noqa: E402 - after the pause
 import json
 import os
 import signal

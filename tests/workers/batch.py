@@ -9,6 +9,7 @@ waits in one of the case's collectives (no agreement within GRACE_S) aborts the 
 and the runner starts the cases after it in a new one. Rank 0 writes `start I T` and
 `end I T` to PROGRESS, so the runner knows which case runs and when it began.
 """
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import gc
 import json
 import os

@@ -19,6 +19,7 @@ is not older than the last one reported published: nothing unpublished is ever l
 --kill-rank R (with --mpi): rank R SIGKILLs itself after a random delay (--max-delay,
 --seed) once ready, as a single node failure would; the launcher then ends the job.
 """
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 import os

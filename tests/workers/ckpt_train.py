@@ -16,6 +16,7 @@ with plan steps
                              so the steps after an asynchronous save must wait for it
 Rank 0 writes {"runs": [[outcome per step]]} to --out.
 """
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 import random

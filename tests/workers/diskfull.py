@@ -4,6 +4,7 @@ a step and save b: every rank must get CheckpointError, DIR must hold a (intact)
 temporary directory. argv: DIR OUT [sync|async]. async: b is written in the background
 while training goes on; the failure must surface in the same step's poll on every rank.
 """
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import json
 import os
 import sys

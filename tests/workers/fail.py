@@ -1,5 +1,6 @@
 """Failure scenarios, launched WITHOUT `-m mpi4py`: zerompi's own abort hook must end
 the job. Mode is argv[1]."""
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import sys
 import time
 

@@ -12,6 +12,7 @@ uneven: rank 1 takes 6 steps, rank 0 5 and then idles.
 wait: every rank writes its pid to PIDFILE.<rank>, trains, and rank N-1 stops itself at
   step 3; the test then signals mpiexec (SIGTERM to a blocked job).
 """
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import os
 import signal
 import sys

@@ -1,5 +1,6 @@
 """Train a transformers GPT-2 (tied head) 2 steps under zerompi, save a checkpoint, and
 write the engine's full_state_dict for comparison: --dir CKPT --out RESULT.json."""
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 

@@ -12,6 +12,7 @@ summed in pieces, tests/multirank/test_parity.py) are computed by ranks 0 and 1 
 """
 from __future__ import annotations
 
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import hashlib
 import json

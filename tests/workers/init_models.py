@@ -1,5 +1,6 @@
 """zerompi.Init on the issue-13 models: bitwise the weights of a plain build, bounded
 full parameters, engines take over, and wrong uses fail naming the parameter."""
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 import warnings

@@ -2,6 +2,7 @@
 
 The cap is RLIMIT_AS = (address space after start-up) + budget, so it bounds what the
 model, its states and the step may add. Prints the peak it observed when it finishes."""
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 import resource

@@ -2,6 +2,7 @@
 tests/system/test_multinode_grid.py): node index, node-local rank, ranks per node, node
 names, the members of the node-local and cross-node groups (as world ranks), and a sum
 over each group."""
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 import socket

@@ -3,6 +3,7 @@
 Writes (rank 0) per stage: max |param - reference|, per-step losses and gradient norms,
 the max relative error of the first step's reduced gradient, plus the noise floor (the
 reference computed in another summation order)."""
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import argparse
 import json
 

@@ -5,6 +5,7 @@
   ZEROMPI_TEST_RAISE_AT=R:S   rank R raises RuntimeError in engine.step() once S optimizer
                               steps are done (an exception on one rank)
 """
+from zerompi.runtime import pause_collector; pause_collector()  # until freeze_startup_heap: runtime/pygc.py
 import os
 import sys
 import time

@@ -9,9 +9,9 @@ from .abort import (JobError, abort, exit_together, init, install_abort_hook, mp
 from .agree import (agree, as_items, check_same_everywhere, first_difference, merged, raise_agreed, raise_found,
                     same_everywhere)
 from .malloc import MMAP_THRESHOLD, HeapTrimmer, fix_mmap_threshold, release_free_memory
-from .pygc import freeze_startup_heap
+from .pygc import freeze_startup_heap, pause_collector
 
 __all__ = ["JobError", "abort", "exit_together", "init", "install_abort_hook", "mpi", "one_line_job_errors",
            "seed_everything", "agree", "as_items", "check_same_everywhere", "first_difference", "merged",
            "raise_agreed", "raise_found", "same_everywhere", "MMAP_THRESHOLD", "HeapTrimmer", "fix_mmap_threshold",
-           "release_free_memory", "freeze_startup_heap"]
+           "release_free_memory", "freeze_startup_heap", "pause_collector"]
