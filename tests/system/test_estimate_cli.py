@@ -1,24 +1,50 @@
 """`python -m zerompi.estimate` (zerompi/estimate/cli.py): Table 1, the formula table, the
-dry run's text and JSON, configs, and one line for bad input. The planner itself, in one
-process: tests/unit/test_estimate.py."""
+dry run's text and JSON, configs, and one line for bad input. The command's output through
+its main() in this process (each run of the command imports torch: ~2.5 CPU-s saved per
+case), the command itself, exit status and all, in a run that succeeds and one that fails.
+The planner itself: tests/unit/test_estimate.py."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from mpirun import ROOT
 from paper import PAPER_TABLE1
 from zerompi.estimate import memory
+from zerompi.estimate.cli import main
 
 
-def cli(*args, timeout=300):
+def command(*args, timeout=300):
+    """The command in its own process, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "zerompi.estimate", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
+
+
+def cli(*args):
+    """The command's main() in this process (what `python -m zerompi.estimate` calls), with
+    what it prints and returns in the shape of a finished process."""
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(ROOT)  # the command's relative paths (configs/...)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(cwd)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def test_the_command_prints_table1_as_json_and_exits_0():
+    p = command("--table1", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == memory.table1()
 
 
 def test_cli_table1():
@@ -31,7 +57,7 @@ def test_cli_table1():
         want = PAPER_TABLE1[int(ln[0])]
         assert ln[1:] == [v for m in ("7.5B", "128B", "1T") for v in want[m]], ln
     j = cli("--table1", "--json")
-    assert json.loads(j.stdout) == memory.table1()
+    assert json.loads(j.stdout) == memory.table1() and j.returncode == 0
 
 
 def test_cli_params_json():
@@ -134,7 +160,7 @@ def test_cli_config():
 def test_cli_bad_input_is_one_line():
     """The command's own process: exit 2, one line, no traceback. The bad inputs one by
     one, through the same main(): tests/unit/test_estimate_cli_input.py."""
-    p = cli("--model", "nope")
+    p = command("--model", "nope")
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert p.stderr.startswith("zerompi.estimate: error: ")
