@@ -34,137 +34,73 @@ Exit codes:
 """
 from __future__ import annotations
 
-from .runtime import pygc
-
-if __name__ == "__main__":
-    pygc.pause_collector()  # until the imports below are done (runtime/pygc.py)
-
-import dataclasses  # noqa: E402 - after the pause
-import json
-import os
-import signal
+import dataclasses
 import sys
-import time
-from pathlib import Path
 
-import numpy as np
-import torch
-
-import zerompi
-
-from . import comm, runtime
-from .config import train as train_config
-from .runtime import rundir, watchdog
-from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
-from .checkpoint.trainer import TrainCheckpoints
+from . import runtime
 from .config import ConfigError, to_dict
-from .data import TokenSampler, default_corpus, split_tokens
-from .data.check import CheckedSampler, open_agreed
-from .runtime.console import say
-from .runtime.fileio import atomic_write
-from .models.gpt import GPT
-from .optim import decay_groups
-from .parallel.dims import ParallelDims
-from .lr_schedule import lr_at, position
+from .config import train as train_config
 from .parallel.nodes import discover as discover_nodes
-from .progress import Progress, batch_note, finish_message
+from .runtime import pygc, watchdog
+from .runtime.agree import ObjectComm
+from .runtime.console import say
 
-EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
+EXIT_OK, EXIT_USAGE = 0, 2
 PROG = "zerompi.train"
+# Run as the command (not main() called from a caller's process): the collector's pause
+# and the frozen start-up heap (runtime/pygc.py) are the command's own.
+_COMMAND = __name__ == "__main__"
 
 
-def _rss_bytes() -> int:
-    """Current resident set size of this process."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource  # peak, not current, but better than nothing (macOS)
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+def _one_line(errors: list, world) -> bool:
+    """Print the job's one error line (rank 0), naming the first rank that failed."""
+    if errors:
+        r, _, msg = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        say(f"error{f' on rank {r}' if r else ''}: {msg}{more}", rank=world.rank, prog=PROG)
+    return bool(errors)
 
 
-def _threads_per_rank(local_ranks: int) -> int:
-    # srun --cpus-per-task binds each task already; an unbound mpiexec rank sees every core.
-    if os.environ.get("SLURM_CPUS_PER_TASK"):
-        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, usable // local_ranks if usable == os.cpu_count() else usable)
-
-
-def _trim_metrics(path: Path, upto: int) -> None:
-    """Drop lines past step `upto`: a resumed run redoes those steps."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= upto:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            pass  # a line cut short by a kill
-    atomic_write(path, "".join(k + "\n" for k in keep))
-
-
-def _agreed_config(argv: list[str]):
+def _agreed_config(argv: list[str], world):
     """The TrainConfig, or None once rank 0 printed the job's one error line. Every rank
     parses and checks for itself; runtime.agree shares the failures, so a rank that failed
-    alone (or read another file than rank 0) never leaves the others in a collective."""
-    world = comm.create(runtime.init())  # the grid needs the config, so agree before it
+    alone (or read another file than rank 0) never leaves the others in a collective.
+    No torch here: a typo ends a job of any size before its ranks import it."""
     cfg, error = None, None
     try:
         cfg = train_config.from_argv(argv)
-        if cfg.device == "auto":  # resolved per rank; ranks that disagree fail the check below
-            cfg = dataclasses.replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
-        if cfg.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device", "cuda", "no CUDA device visible to this rank")
         tp = cfg.zero.tensor_parallel_size
         if world.size % tp:
             raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({world.size})")
-        if tp > 1:
-            from .parallel.parallelize import check_tp
-
-            try:
-                check_tp(cfg.model.gpt_config(), tp)
-            except ConfigError as e:  # names the model field; the key as typed here
-                raise e.under("zero") from None
+        problem = cfg.model.gpt_config().tp_problem(tp)
+        if problem:
+            raise ConfigError("zero.tensor_parallel_size", tp, problem)
     except ValueError as e:
         error = e
     mine = to_dict(cfg) if cfg else None
     ref = world.bcast_object(mine)  # sync: set-up only, rank 0's config is the reference
     if error is None and ref is not None and mine != ref:
         error = "this rank's config differs from rank 0's (same file and arguments everywhere?)"
-    errors = runtime.agree(world, error)
-    if errors:  # one line for the whole job, naming the first rank that failed
-        r, _, msg = errors[0]
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        say(f"error{f' on rank {r}' if r else ''}: {msg}{more}", rank=world.rank, prog=PROG)
-    return None if errors else cfg
+    return None if _one_line(runtime.agree(world, error), world) else cfg
 
 
-def evaluate(engine, val_data, cfg, dims, device) -> float:
-    """Mean validation loss over eval_batches x global_batch sequences, all ranks."""
-    B, G, r, n = cfg.global_batch, engine.gradient_accumulation_steps, dims.dp_rank, dims.dp_size
-    engine.eval()
-    loss_sum, rows_sum = 0.0, 0
-    with torch.no_grad():
-        for b in range(min(cfg.eval_batches, val_data.num_eval_batches(B))):
-            for m in range(G):
-                rows = TokenSampler.rows(m, r, n, B, G)
-                # A rank with no rows still runs a forward (stage 3 gathers parameters
-                # in it), on one borrowed row that is weighted 0.
-                x, y = val_data.eval_batch(b, r, n, B, m, G) if rows else val_data.eval_batch(b, 0, 1, 1)
-                _, loss = engine(x.to(device), y.to(device))
-                loss_sum += loss.item() * rows  # sync: host waits for the device (GPU)
-                rows_sum += rows
-    engine.train()
-    # sync: collective over dp, where the batch is split. Ranks hold different numbers of
-    # rows: divide the sum of row-weighted losses by the rows.
-    loss_total, rows_total = dims.dp.allreduce_scalars([loss_sum, float(rows_sum)])
-    return loss_total / rows_total
+def _agreed_device(cfg, world):
+    """`cfg` with device "auto" resolved (cuda where torch sees a GPU), the same on every
+    rank, or None once rank 0 printed the job's one error line."""
+    import torch
+
+    device, error = cfg.device, None
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        error = ConfigError("device", "cuda", "no CUDA device visible to this rank")
+    first = world.bcast_object(device)  # sync
+    if error is None and device != first:
+        error = f"device 'auto' is {device} on this rank but {first} on rank 0 (a GPU visible to some ranks only?)"
+    return None if _one_line(runtime.agree(world, error), world) else dataclasses.replace(cfg, device=device)
 
 
-@runtime.one_line_job_errors(PROG)  # diverged, busy run_dir, resume that does not fit
+@runtime.one_line_job_errors(PROG)  # diverged, busy run_dir, resume that does not fit, uneven nodes
 def main(argv: list[str] | None = None) -> int:
     # SIGUSR1/SIGTERM/SIGINT set a flag the loop acts on between steps, on every rank
     # together; a rank blocked in a collective is ended by the watchdog instead.
@@ -175,179 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         print("Keys and defaults:\n" + "\n".join(train_config.describe()))
         return EXIT_OK
 
-    # ---------------------------------------------------------------- config, agreed by all ranks
-    cfg = _agreed_config(argv)
+    # Config and node layout first, agreed by all ranks over bare MPI: what is wrong with
+    # them ends the job before any rank imports torch.
+    world = runtime.init()
+    setup = ObjectComm(world)
+    cfg = _agreed_config(argv, setup)
     if cfg is None:
         return EXIT_USAGE
-
-    # ---------------------------------------------------------------- process grid
     # sync: which ranks share a node; an uneven layout ends the job here (one line, exit 2)
-    nodes = discover_nodes(runtime.init())
-    local_rank, local_ranks = nodes.local_rank, nodes.per_node
-    device = torch.device("cpu")
-    if cfg.device == "cuda":  # visible on every rank: checked with the config
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    # sync: communicators for where the tensors live (NCCL / device MPI on GPUs)
-    dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None, nodes=nodes)
-    threads = cfg.threads or _threads_per_rank(local_ranks)
-    torch.set_num_threads(threads)
-    if dims.rank == 0:
-        print(f"zerompi.train: {nodes.describe()}: {nodes.listing()}", flush=True)
+    nodes = discover_nodes(world)
 
-    # ---------------------------------------------------------------- data
-    if cfg.data == "default":
-        if dims.rank == 0:
-            default_corpus()  # build the cache once, not on every rank at the same time
-        dims.world.barrier()  # sync: nobody opens the cache before it is complete
-    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.gpt_config().vocab_size
-    spec = str(default_corpus()) if cfg.data == "default" else cfg.data
-    # Format, size and a sample of ids checked before any step; the rest as batches are read.
-    tokens = open_agreed(spec, V, T, cfg.val_fraction, bool(cfg.eval_interval), dims.world)
-    if tokens is None:
+    if _COMMAND:
+        pygc.pause_collector()  # import torch runs ~370 collections otherwise
+    from . import train_loop  # torch, the model, the engine
+
+    if _COMMAND:
+        runtime.freeze_startup_heap()  # what the imports built, out of the collector's view
+    cfg = _agreed_device(cfg, setup)
+    if cfg is None:
         return EXIT_USAGE
-    train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
-    # sync: fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
-    data_state = agreed_data_state(dims.world, cfg, train_tokens, val_tokens)
-    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec)
-    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
-
-    # ---------------------------------------------------------------- model and engine
-    gpt_cfg = cfg.model.gpt_config()
-    torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
-    model = GPT(gpt_cfg)
-    n_params, n_total = model.num_params(non_embedding=True), model.num_params()  # before any tp split
-    if dims.tp_size > 1:
-        from .parallel.parallelize import parallelize
-
-        model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
-    model.to(device)
-    # Biases and norm weights get no weight decay (the usual GPT recipe).
-    groups = decay_groups(model, cfg.zero.optimizer.weight_decay)
-    engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)
-    G = engine.gradient_accumulation_steps
-    # Training FLOPs per token as GPT.flops_per_token, at the sequence length actually used.
-    flops_per_token = 6 * n_params + 12 * gpt_cfg.n_layer * gpt_cfg.n_embd * T  # whole model
-    peak = cfg.peak_flops or threads * 100e9
-    mfu_label = "mfu" if cfg.peak_flops else "mfu~"  # "~": against a guessed CPU peak
-
-    # ---------------------------------------------------------------- resume
-    run_dir = Path(cfg.run_dir)
-    ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
-    lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
-    # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
-    client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
-    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
-                        {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
-    start_step = int(client["step"]) if client else 0
-    def info(line: str) -> None:
-        say(line, rank=dims.rank, prog=PROG, err=False)
-
-    if dims.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
-        _trim_metrics(metrics_path, start_step)
-        info(f"{n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
-             f"{dims.world.size} ranks x {threads} threads"
-             + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
-             + f", ZeRO stage {cfg.zero.stage} "
-             f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
-        info(f"run_dir {run_dir}; "
-             + (f"resumed at step {start_step}" if start_step else "starting at step 0")
-             + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
-                "GFLOP/s per rank (set peak_flops)"))
-        note = batch_note(B, G, dims.dp_size)
-        if note:
-            info(note)
-    dims.world.barrier()  # sync: run_dir exists before anyone writes to it
-    progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
-    checkpoints = TrainCheckpoints(engine, ckpt_dir, cfg, progress.note)
-    try:
-        # The steps raise a JobError (a diverged run) on every rank together: the ranks still
-        # talk, so the background save in flight (of a good step) is finished and published.
-        # Any other exception ends the job without a collective; that save is never published.
-        code = _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, progress,
-                     checkpoints, ckpt_dir, start_step, flops_per_token, peak)
-    except runtime.JobError:
-        checkpoints.flush()
-        raise
-    if code == EXIT_STOPPED:  # leave together: srun --kill-on-bad-exit would kill a late rank
-        runtime.exit_together(code, dims.world, before=[lock.release] if lock else [],
-                              stop_mpi_users=[watchdog.close])
-    return code
-
-
-def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, progress, checkpoints,
-          ckpt_dir, start_step, flops_per_token, peak) -> int:
-    B, T, G = cfg.global_batch, cfg.seq_len, engine.gradient_accumulation_steps
-    engine.train()
-    t_start = time.perf_counter()
-    for step in range(start_step, cfg.max_steps):
-        lr = lr_at(position(cfg, step, engine.global_steps), cfg)  # deepspeed_*: applied updates
-        for group in engine.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        loss_sum = 0.0  # sum over this rank's sequences of their mean token loss
-        for m in range(G):
-            rows = TokenSampler.rows(m, dims.dp_rank, dims.dp_size, B, G)
-            # Per-(step, micro, dp rank) seed: dropout is reproducible and needs no RNG
-            # state in checkpoints, so a resumed run repeats an uninterrupted one exactly.
-            torch.manual_seed(int(np.random.SeedSequence([cfg.zero.seed, step, m, dims.dp_rank])
-                                  .generate_state(1)[0]))
-            x, y = train_data.batch(step, m, dims.dp_rank, dims.dp_size, B, G) if rows \
-                else train_data.batch(step, 0, 0, 1, 1)
-            _, loss = engine(x.to(device), y.to(device))
-            # Exact global mean with uneven rows: the engine averages the D*G (dp rank,
-            # micro-step) gradients, so a mean loss scaled by rows*D*G/B gives the gradient of
-            # the mean over all B rows. A rank with 0 rows adds 0 but joins the reduction.
-            # sync: backward() returns once its gradients are reduced over dims.dp (every
-            # micro-step at stages 2-3, the last at 0-1); at the boundary step() all-reduces
-            # the gradient norm and, at stages 1-2, all-gathers the updated parameters.
-            engine.backward(loss * (rows * dims.dp_size * G / B))
-            updated = engine.step()
-            loss_sum += loss.item() * rows  # sync: host waits for the device (GPU)
-        # sync: two collectives once per step. SUM over dp gives the loss over all B rows;
-        # MAX over the world makes one rank's stop signal everyone's, so all checkpoint
-        # and exit together.
-        (total,) = dims.dp.allreduce_scalars([loss_sum])
-        sig, rss = dims.world.allreduce_scalars([float(watchdog.stop_signal()), float(_rss_bytes())], op="max")
-        if sig:
-            watchdog.stop_agreed()  # the ranks still talk: checkpoint with normal deadlines
-        dt = time.perf_counter() - t0
-        done = step + 1  # steps completed; metrics and checkpoints are keyed by it
-        last = done == cfg.max_steps
-
-        record = {"step": done, "loss": total / B, "lr": lr,
-                  "grad_norm": engine.last_grad_norm, "loss_scale": engine.loss_scale,
-                  "updated": bool(updated), "tokens": done * B * T, "tokens_per_s": B * T / dt,
-                  "step_time": dt, "mfu": flops_per_token * B * T / dt / (peak * dims.world.size),
-                  "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
-                  "time": time.perf_counter() - t_start}
-        if cfg.eval_interval and (done % cfg.eval_interval == 0 or last):
-            record["val_loss"] = evaluate(engine, val_data, cfg, dims, device)
-
-        checkpoints.poll()  # sync (while a save is in flight): publish it once every rank wrote
-        if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
-            if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
-                say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
-            else:  # sync: collective. The sampler is a pure function of (seed, step): the step is the data position
-                checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": data_state,
-                                        "model": model_state(gpt_cfg), "config": to_dict(cfg)}, final=bool(sig or last))
-        saved = checkpoints.take()
-        if saved:
-            record["checkpoints"] = saved
-        progress.update(record)
-        if sig and not last:
-            progress.close(f"{signal.Signals(int(sig)).name} received: checkpoint of step {done} "
-                           f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
-            return EXIT_STOPPED
-
-    checkpoints.flush()  # sync: a background save still in flight (the last step was not finite)
-    progress.close(finish_message(cfg.max_steps, start_step, time.perf_counter() - t_start))
-    return EXIT_OK
+    return train_loop.run(cfg, nodes)
 
 
 if __name__ == "__main__":
-    runtime.freeze_startup_heap()  # the command only: main() may run inside a caller's process
     sys.exit(main())

@@ -73,6 +73,14 @@ def _shm_segments() -> set[str]:
         return set()
 
 
+def torch_unimportable(tmp: Path) -> dict:
+    """Extra environment in which `import torch` fails (a package of that name first on
+    the path, in `tmp`): for jobs that must end before any rank imports it."""
+    (tmp / "torch").mkdir(parents=True, exist_ok=True)
+    (tmp / "torch" / "__init__.py").write_text('raise ImportError("torch was imported")\n')
+    return {"PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)])}
+
+
 def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = None,
             module: bool = True, check: bool = True) -> subprocess.CompletedProcess:
     """`mpiexec -n N python -m mpi4py ARGV`; kills the process group on timeout.

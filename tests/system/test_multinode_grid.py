@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import socket
 
-from mpirun import WORKERS, launch, run_mpi
+from mpirun import WORKERS, launch, run_mpi, torch_unimportable
 from node_grid_checks import check_2x2
 from slurm_jobs import PY
 
@@ -24,10 +24,12 @@ def _one_uneven_line(out: str, nodes: str) -> None:
 
 
 def test_uneven_layout_is_refused_with_one_line(tmp_path):
-    """3 ranks posing as nodes of 2: the train CLI ends with one line and exit 2."""
+    """3 ranks posing as nodes of 2: the train CLI ends with one line and exit 2, before
+    any rank imports torch."""
     host = socket.gethostname()
     r = run_mpi(3, ["-m", "zerompi.train", "--config", "configs/tiny.toml", "--run_dir", str(tmp_path / "run")],
-                env={FORCE: "2"}, module=False, check=False, timeout=120)
+                env={FORCE: "2", **torch_unimportable(tmp_path / "no-torch")}, module=False, check=False,
+                timeout=120)
     assert r.returncode == 2, r.stdout[-3000:]
     _one_uneven_line(r.stdout, f"{host}#0 (ranks 0-1), {host}#1 (rank 2)")
     assert not (tmp_path / "run").exists()

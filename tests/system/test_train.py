@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from mpirun import launch, mpi_env, run_mpi, running_job
+from mpirun import launch, mpi_env, run_mpi, running_job, torch_unimportable
 
 TRAIN = ["-m", "zerompi.train"]
 # A few steps of the tiny model on a small private corpus (fast, no ~/.cache writes).
@@ -22,9 +22,9 @@ FAST = ["--model.preset", "tiny", "--global_batch", "8", "--max_steps", "30", "-
         "--checkpoint_interval", "0", "--log_interval", "10", "--progress", "lines", "--zero.stage", "2"]
 
 
-def train(n, run_dir, corpus, *extra, check=True, timeout=60):
+def train(n, run_dir, corpus, *extra, check=True, timeout=60, env=None):
     return run_mpi(n, TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra),
-                   timeout=timeout, module=False, check=check)
+                   timeout=timeout, env=env, module=False, check=check)
 
 
 def metrics(run_dir):
@@ -93,20 +93,27 @@ def test_overrides_reach_the_config(tmp_path, corpus):
     assert len(metrics(tmp_path / "o")) == 3
 
 
-def test_bad_key_fails_fast_naming_it(tmp_path, corpus):
-    """Exit 2 and the message once (rank 0), not once per rank, within seconds; the
-    messages of other bad keys, from the same parser: tests/unit/test_config.py."""
-    res = train(2, tmp_path / "bad", corpus, "--zero.stag", "2", check=False, timeout=30)
+def test_bad_key_fails_fast_naming_it(tmp_path, corpus, without_torch):
+    """Exit 2 and the message once (rank 0), not once per rank, before any rank imports
+    torch; the messages of other bad keys, from the same parser: tests/unit/test_config.py."""
+    res = train(2, tmp_path / "bad", corpus, "--zero.stag", "2", check=False, timeout=30, env=without_torch)
     needle = "config key 'zero.stag' = '2': unknown key"
     assert res.returncode == 2, res.stdout[-2000:]
     assert res.stdout.count(needle) == 1  # printed once (rank 0), not once per rank
     assert res.elapsed < 15
 
 
-def train_cli(cmd, timeout=60):
+def train_cli(cmd, timeout=60, env=None):
     """`mpiexec ...CMD` with stdout and stderr apart: (rc, out, err)."""
-    res = launch(["mpiexec"] + cmd, timeout, stderr_apart=True)
+    res = launch(["mpiexec"] + cmd, timeout, env=env, stderr_apart=True)
     return res.returncode, res.stdout, res.stderr
+
+
+@pytest.fixture(scope="module")
+def without_torch(tmp_path_factory):
+    """The command checks and agrees its config before it imports torch (zerompi/train.py),
+    so a bad one ends every rank within a second, whatever the job's size."""
+    return torch_unimportable(tmp_path_factory.mktemp("no-torch"))
 
 
 def assert_one_error_line(rc, out, err, needle):
@@ -123,20 +130,21 @@ def assert_one_error_line(rc, out, err, needle):
     (["zero.tensor_parallel_size=2", "model.dropout=0.1"],
      "error: config key 'zero.tensor_parallel_size' = 2: the model's dropout (0.1) must be 0"),
 ])
-def test_config_error_is_one_line_on_stderr(tmp_path, corpus, args, needle):
-    """Errors that depend on the job (its number of ranks) or the model; values checked by
-    the config alone (zero.optimizer.lr = -1, ...): tests/unit/test_config.py."""
+def test_config_error_is_one_line_on_stderr(tmp_path, corpus, args, needle, without_torch):
+    """Errors that depend on the job (its number of ranks) or the model, found before
+    torch is imported; values checked by the config alone (zero.optimizer.lr = -1, ...):
+    tests/unit/test_config.py."""
     run_dir = tmp_path / "bad"
     rc, out, err = train_cli(["-n", "2", sys.executable] + TRAIN + FAST
-                             + ["--data", corpus, "--run_dir", str(run_dir)] + args)
+                             + ["--data", corpus, "--run_dir", str(run_dir)] + args, env=without_torch)
     assert_one_error_line(rc, out, err, needle)
     assert not run_dir.exists()  # failed before anything was written
 
 
-def test_rank_with_another_config_is_named(tmp_path, corpus):
+def test_rank_with_another_config_is_named(tmp_path, corpus, without_torch):
     """Ranks launched with different arguments (MPMD) agree to stop, and rank 1 is named."""
     argv = [sys.executable] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(tmp_path / "r")]
-    rc, out, err = train_cli(["-n", "1"] + argv + [":", "-n", "1"] + argv + ["--max_steps", "4"])
+    rc, out, err = train_cli(["-n", "1"] + argv + [":", "-n", "1"] + argv + ["--max_steps", "4"], env=without_torch)
     assert_one_error_line(rc, out, err, "error on rank 1: this rank's config differs from rank 0's")
 
 

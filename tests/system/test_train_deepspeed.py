@@ -5,7 +5,7 @@ import json
 import math
 
 from ds_schedulers import DeepSpeedScheduler
-from mpirun import run_mpi
+from mpirun import run_mpi, torch_unimportable
 
 DS_RUN = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
@@ -38,5 +38,6 @@ def test_train_cli_runs_a_deepspeed_file_as_deepspeed_would(tmp_path):
     (tmp_path / "sched.json").write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
         "total_num_steps": 10}}}))
     bad = run_mpi(2, ["-m", "zerompi.train", "--deepspeed_config", str(tmp_path / "sched.json"), "--data",
-                      str(corpus), "--run_dir", str(tmp_path / "bad")], module=False, timeout=60, check=False)
+                      str(corpus), "--run_dir", str(tmp_path / "bad")], module=False, timeout=60, check=False,
+                  env=torch_unimportable(tmp_path / "no-torch"))  # refused before any rank imports torch
     assert bad.returncode == 2 and bad.stdout.count("deepspeed_config.scheduler.type") == 1, bad.stdout

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..lr_schedule import KINDS
+from ..models.gpt_config import PRESETS
 from . import loading as config
 from .errors import fail
 from .loading import parse_overrides
@@ -22,7 +23,7 @@ from .zero import ZeroConfig
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which GPT to train: a preset from zerompi.models.gpt.PRESETS, optionally reshaped."""
+    """Which GPT to train: a preset from zerompi.models.gpt_config.PRESETS, optionally reshaped."""
 
     preset: str = "tiny"
     """tiny | small | gpt-20m | gpt-200m | gpt2 | gpt-1b."""
@@ -37,8 +38,6 @@ class ModelConfig:
     """Linear and LayerNorm biases (every preset has them)."""
 
     def __post_init__(self) -> None:
-        from ..models.gpt import PRESETS
-
         if self.preset not in PRESETS:
             fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
         for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
@@ -49,8 +48,6 @@ class ModelConfig:
         self.gpt_config()  # n_embd divisible by n_head
 
     def gpt_config(self):
-        from ..models.gpt import PRESETS
-
         base = PRESETS[self.preset]
         changes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
                    if getattr(self, k)}

@@ -53,15 +53,11 @@ class VocabParallelCrossEntropy:
 
 
 def check_tp(cfg, tp_size: int) -> None:
-    """ConfigError, naming tensor_parallel_size and the model field, when `cfg` cannot be
-    split over `tp_size` ranks."""
-    for field, n in (("n_head", cfg.n_head), ("4*n_embd", 4 * cfg.n_embd)):
-        if n % tp_size:
-            raise ConfigError("tensor_parallel_size", tp_size, f"must divide the model's {field} ({n})")
-    if tp_size > 1 and cfg.dropout > 0:
-        raise ConfigError("tensor_parallel_size", tp_size,
-                          f"the model's dropout ({cfg.dropout}) must be 0 (dropout inside "
-                          "tensor-parallel regions is not supported)")
+    """ConfigError, naming tensor_parallel_size and the model field, when `cfg` (a
+    GPTConfig) cannot be split over `tp_size` ranks."""
+    problem = cfg.tp_problem(tp_size)
+    if problem:
+        raise ConfigError("tensor_parallel_size", tp_size, problem)
 
 
 def parallelize(model: GPT, tp) -> GPT:

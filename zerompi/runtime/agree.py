@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .watchdog import waiting
+
 
 def agree(comm, errors=None) -> list[tuple[int, str, str]]:
     """The one way ranks agree on failures. Collective: every rank passes what went wrong
@@ -101,3 +103,21 @@ def check_same_everywhere(comm, config: dict, shapes: list) -> None:
             mine, ref = next((x, y) for x, y in zip(everyone[r] + pad, everyone[0] + pad) if x != y)
             msg = f"rank {r} has a different model than rank 0: parameter {mine} vs {ref}"
         raise ValueError(msg)
+
+
+class ObjectComm:
+    """A bare mpi4py communicator with the set-up collectives of a zerompi Communicator
+    (rank, size, bcast_object, allgather_object; each under the watchdog's deadline, as
+    comm/mpi.py's): what `python -m zerompi.train` agrees on before it imports torch,
+    which comm/ needs."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        with waiting("bcast_object"):
+            return self.comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj: Any) -> list:
+        with waiting("allgather_object"):
+            return self.comm.allgather(obj)

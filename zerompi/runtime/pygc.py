@@ -12,8 +12,8 @@ run itself creates.
 
 The imports themselves trigger collections too: ~360 passes during `import torch`, 0.12
 of its 1.2 CPU-s on "vm" (gc.callbacks). A command pauses the collector before its
-imports and `freeze_startup_heap` turns it back on: `zerompi.train --help` 1.41 -> 1.24
-CPU-s (median of 10)."""
+heavy imports and `freeze_startup_heap` turns it back on: the train command's start
+1.41 -> 1.24 CPU-s (median of 10)."""
 from __future__ import annotations
 
 import gc
