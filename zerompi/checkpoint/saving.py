@@ -70,7 +70,8 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
     return {
         "format": fmt.FORMAT, "format_version": fmt.VERSION, "tag": tag,
         "created_ns": time.time_ns(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "zerompi_version": __version__, "torch_version": torch.__version__,
+        # str(): torch's TorchVersion, pickled to the background writer, would import torch there
+        "zerompi_version": __version__, "torch_version": str(torch.__version__),
         "h5py_version": h5py.version.version, "hdf5_version": h5py.version.hdf5_version,
         "python_version": platform.python_version(),
         "world_size": engine.dims.world.size,
