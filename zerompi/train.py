@@ -1,4 +1,4 @@
-"""Train a GPT with ZeRO over MPI: `python -m zerompi.train`, one loop, top to bottom.
+"""Train a GPT with ZeRO over MPI: `python -m zerompi.train` (the run itself: train_loop.py).
 
 Workstation (2 ranks, the tiny model on the built-in corpus, a few minutes on a laptop):
 
