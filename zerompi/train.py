@@ -80,7 +80,9 @@ def _agreed_config(argv: list[str], world):
     mine = to_dict(cfg) if cfg else None
     ref = world.bcast_object(mine)  # sync: set-up only, rank 0's config is the reference
     if error is None and ref is not None and mine != ref:
-        error = "this rank's config differs from rank 0's (same file and arguments everywhere?)"
+        key, value, ref_value = runtime.first_difference(mine, ref)
+        error = (f"this rank's config differs from rank 0's: {key} = {value!r} (rank 0: {ref_value!r}); "
+                 "same file and arguments everywhere?")
     return None if _one_line(runtime.agree(world, error), world) else cfg
 
 
