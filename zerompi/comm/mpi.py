@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..runtime.agree import ObjectCollectives
 from ..runtime.watchdog import waiting
 from .base import CommStats, DoneHandle, Handle, Scalars
 
@@ -83,8 +84,9 @@ def _reducible(t: Any, name: str) -> None:
         raise TypeError(f"{name}: MPI cannot reduce {dt}; reduce in fp32 or use the ordered algorithm")
 
 
-class MPICommunicator:
-    """Collectives over an (internally duplicated) MPI communicator."""
+class MPICommunicator(ObjectCollectives):
+    """Collectives over an (internally duplicated) MPI communicator; bcast_object and
+    allgather_object (pickled, set-up only) from runtime/agree.py."""
 
     backend = "mpi"
 
@@ -297,15 +299,6 @@ class MPICommunicator:
     def _from_split(self, sub) -> "MPICommunicator":
         return MPICommunicator(sub, reduce_scatter=self.algorithm, _dup=False,
                                device_buffers=self.device_buffers)
-
-    def bcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Pickle-based broadcast, for set-up only (never in the training step)."""
-        with waiting("bcast_object"):
-            return self.comm.bcast(obj, root=root)
-
-    def allgather_object(self, obj: Any) -> list:
-        with waiting("allgather_object"):
-            return self.comm.allgather(obj)
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:

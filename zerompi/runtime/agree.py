@@ -105,14 +105,12 @@ def check_same_everywhere(comm, config: dict, shapes: list) -> None:
         raise ValueError(msg)
 
 
-class ObjectComm:
-    """A bare mpi4py communicator with the set-up collectives of a zerompi Communicator
-    (rank, size, bcast_object, allgather_object; each under the watchdog's deadline, as
-    comm/mpi.py's): what `python -m zerompi.train` agrees on before it imports torch,
-    which comm/ needs."""
+class ObjectCollectives:
+    """The set-up collectives of pickled objects over `self.comm` (an mpi4py communicator),
+    each under the watchdog's deadline; for set-up only, never in the training step.
+    comm/mpi.py's MPICommunicator has them from here."""
 
-    def __init__(self, comm):
-        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+    comm: Any
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
         with waiting("bcast_object"):
@@ -121,3 +119,12 @@ class ObjectComm:
     def allgather_object(self, obj: Any) -> list:
         with waiting("allgather_object"):
             return self.comm.allgather(obj)
+
+
+class ObjectComm(ObjectCollectives):
+    """A bare mpi4py communicator seen as agree() sees a zerompi Communicator (rank, size,
+    the object collectives): what `python -m zerompi.train` agrees on before it imports
+    torch, which comm/ needs."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
