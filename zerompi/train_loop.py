@@ -56,17 +56,23 @@ def _threads_per_rank(local_ranks: int) -> int:
     return max(1, usable // local_ranks if usable == os.cpu_count() else usable)
 
 
-def _trim_metrics(path: Path, upto: int) -> None:
-    """Drop lines past step `upto`: a resumed run redoes those steps."""
-    if not path.exists():
+def _trim_metrics(path: Path, upto: int, saved: dict | None = None) -> None:
+    """Keep the lines of steps <= `upto` (a resumed run redoes the later ones). `saved` is
+    the checkpoint's own copy of step `upto`'s line: written back when a kill between the
+    checkpoint's publication and that line lost it (without its "checkpoints" entry)."""
+    if not path.exists() and saved is None:
         return
-    keep = []
-    for line in path.read_text().splitlines():
+    keep, have = [], set()
+    for line in (path.read_text().splitlines() if path.exists() else []):
         try:
-            if json.loads(line)["step"] <= upto:
-                keep.append(line)
+            step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
-            pass  # a line cut short by a kill
+            continue  # a line cut short by a kill
+        if step <= upto:
+            keep.append(line)
+            have.add(step)
+    if saved is not None and saved.get("step") == upto and upto not in have:
+        keep.append(json.dumps(saved))
     atomic_write(path, "".join(k + "\n" for k in keep))
 
 
@@ -159,7 +165,7 @@ def run(cfg, nodes) -> int:
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
-        _trim_metrics(metrics_path, start_step)
+        _trim_metrics(metrics_path, start_step, client.get("metrics") if client else None)
         info(f"{n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
              f"{dims.world.size} ranks x {threads} threads"
              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
@@ -245,8 +251,10 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
                 say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
             else:  # sync: collective. The sampler is a pure function of (seed, step): the step is the data position
+                # "metrics": this step's line, which a kill right after the save would lose
                 checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": data_state,
-                                        "model": model_state(gpt_cfg), "config": to_dict(cfg)}, final=bool(sig or last))
+                                        "model": model_state(gpt_cfg), "config": to_dict(cfg),
+                                        "metrics": dict(record)}, final=bool(sig or last))
         saved = checkpoints.take()
         if saved:
             record["checkpoints"] = saved

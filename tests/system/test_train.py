@@ -171,11 +171,17 @@ def test_signal_checkpoints_exits_124_and_rerun_matches(tmp_path, corpus, tiny_r
     stopped_at = len(metrics(run_dir))
     assert 5 <= stopped_at < 30
     assert (run_dir / "checkpoints" / f"step_{stopped_at:07d}").is_dir()
+    # A kill between the checkpoint's publication and its step's line loses the line:
+    # the checkpoint holds a copy, which the rerun writes back.
+    lines = path.read_text().splitlines()
+    lost = json.loads(lines[-1])
+    path.write_text("".join(line + "\n" for line in lines[:-1]))
 
     res = train(2, run_dir, corpus, *args)
     assert f"resumed at step {stopped_at}" in res.stdout
     ref, got = metrics(tiny_run[0]), metrics(run_dir)  # the uninterrupted run
     assert [r["step"] for r in got] == list(range(1, 31))
+    assert got[stopped_at - 1] == {k: v for k, v in lost.items() if k != "checkpoints"}, (got[stopped_at - 1], lost)
     assert got[-1]["loss"] == ref[-1]["loss"]
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]
 
