@@ -33,6 +33,8 @@ from .parallel.dims import ParallelDims
 from .lr_schedule import lr_at, position
 from .progress import Progress, batch_note, finish_message
 
+# train.py's (its docstring lists every exit code): repeated, not imported, so that
+# train.py can import this module late without an import cycle
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
 PROG = "zerompi.train"
 
