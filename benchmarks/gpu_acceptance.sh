@@ -3,7 +3,7 @@
 # hard time budget, results written as the steps finish.
 #
 #   bash benchmarks/gpu_acceptance.sh OUTDIR [--dry-run] [--wheels DIR] [--budget S]
-#        [--skip STEP,...] [--kernel-sizes 1e7,1e8,1e9] [--e2e-preset gpt2]
+#        [--skip STEP,...] [--kernel-sizes 1e7,1e8,1e9] [--e2e-preset gpt2] [--commit SHA]
 #
 # Runs from the repository root without installing anything (PYTHONPATH is the
 # checkout); the only install is MPICH from --wheels DIR when mpi4py loads no MPI
@@ -27,6 +27,8 @@
 #   7 build-tests    (cap  60 s) build_junit.xml: nvcc and NVRTC compile tests
 #   8 e2e-1b         (cap 150 s) e2e_1b.json: the 1B preset, stages 2-3, stage 2 with the
 #                    optimizer offloaded (peak GPU memory)
+# --commit SHA: the commit the tree holds, as the caller knows it (a copy of a working tree
+# sent to a GPU machine can carry a stale .git); recorded beside `git describe`.
 # OUTDIR gets at most these 8 files plus acceptance.log. Each step ends with a line
 # "STEP <name> <ok|fail|timeout|skip> <seconds>s <detail>" in the log and an entry in
 # env.json's "steps", so a run cut off anywhere keeps the probe and the answers so far.
@@ -50,6 +52,7 @@ while [ $# -gt 0 ]; do
         --skip) SKIP=",$2,"; shift 2 ;;
         --kernel-sizes) KSIZES="$2"; shift 2 ;;
         --e2e-preset) PRESET="$2"; shift 2 ;;
+        --commit) export ZEROMPI_COMMIT="$2"; shift 2 ;;
         *) usage ;;
     esac
 done
@@ -115,7 +118,7 @@ mpi_works() {
         timeout 60 mpiexec -n 2 "$PY" -c "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()" >>"$LOG" 2>&1
 }
 
-log "gpu_acceptance: $(date -u +%FT%TZ) commit $(git describe --always --dirty 2>/dev/null) budget ${BUDGET}s dry-run $DRY"
+log "gpu_acceptance: $(date -u +%FT%TZ) commit $(git describe --always --dirty 2>/dev/null)${ZEROMPI_COMMIT:+ (given: $ZEROMPI_COMMIT)} budget ${BUDGET}s dry-run $DRY"
 
 # 1 ---------------------------------------------------------------- environment
 step env-probe 45 10 "$PY" benchmarks/gpu_env_probe.py "$ENVF"

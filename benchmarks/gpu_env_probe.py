@@ -168,6 +168,8 @@ def main(argv: list[str]) -> int:
              # "-dirty": the files that ran differ from that commit (a device copy of a working tree)
              ("zerompi_commit", lambda: run(["git", "-C", str(ROOT), "describe", "--always", "--dirty",
                                              "--abbrev=40"]).get("out")),
+             # gpu_acceptance.sh --commit: what the caller says the tree holds
+             ("zerompi_commit_given", lambda: os.environ.get("ZEROMPI_COMMIT")),
              ("cupy_nccl", lambda: child(NCCL_CHILD, 25))]
     for key, fn in parts:
         p[key] = fn()

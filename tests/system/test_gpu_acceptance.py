@@ -43,7 +43,7 @@ def _steps(out: Path) -> list[dict]:
 
 def test_dry_run_end_to_end(tmp_path, mpich_wheels):
     out = tmp_path / "acc"
-    args = ["bash", str(SCRIPT), str(out), "--dry-run", "--skip", "build-tests"]
+    args = ["bash", str(SCRIPT), str(out), "--dry-run", "--skip", "build-tests", "--commit", "c0ffee"]
     env = {}
     if mpich_wheels is not None:  # the GPU machine's case: mpi4py loads no MPI library
         args += ["--wheels", str(mpich_wheels)]
@@ -64,6 +64,7 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
     env_probe = json.loads((out / "env.json").read_text())
     assert env_probe["decide"]["gpu"] is False and env_probe["torch"]["cuda_available"] is False
     assert "swap_data_ptr" in env_probe["torch"] and "resolves_to" in env_probe["host"]
+    assert env_probe["zerompi_commit_given"] == "c0ffee" and "(given: c0ffee)" in log  # --commit
     # nothing failed, and what needs the GPU skipped saying why (the NCCL dtype check
     # runs where cupy is installed, test_device's binding on the CPU too)
     for junit, n_gpu in (("kernels_junit.xml", 18), ("mpi_junit.xml", 10)):
