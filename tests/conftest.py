@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
 # beside other jobs); netns follows. The rest keeps xdist's own order (most tests per
 # group first; run.sh passes --no-loadscope-reorder so that this order stands). Measured
 # on "vm" when it was set: 520-589 s, busy 936-996 core-s, idle 85-92 (597-652 s, busy
-# 1044-1174, idle 111-134 in xdist's order); 2026-11-27 late: 465-523 s, idle 28-73.
+# 1044-1174, idle 111-134 in xdist's order); 2026-11-27 late: 452-523 s, idle 28-73.
 # Which worker takes netns depends on timing; see tests/README.
 HEAD = ("slurm", "batch-n2", "batch-n4", "batch-n3", "netns")
 
