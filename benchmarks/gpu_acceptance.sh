@@ -24,6 +24,8 @@
 #                    -n 4 where installed; every launch capped at 150 s
 #   6 e2e            (cap 120 s) e2e.json: GPT-2 124M, stages 0-3 vs plain torch, tokens/s,
 #                    MFU, peak memory, a 60-step corpus run whose loss must fall
+#     train-cmd      (cap  60 s) `python -m zerompi.train` on 2 ranks, device auto, tiny
+#                    preset, 20 steps and a checkpoint (the log)
 #   7 build-tests    (cap  60 s) build_junit.xml: nvcc and NVRTC compile tests
 #   8 e2e-1b         (cap 150 s) e2e_1b.json: the 1B preset, stages 2-3, stage 2 with the
 #                    optimizer offloaded (peak GPU memory)
@@ -200,6 +202,22 @@ e2e() {  # e2e NAME CAP OUTFILE GPU-ARGS... -- CPU-ARGS...
 }
 e2e e2e 120 "$OUT/e2e.json" --preset "$PRESET" --micro 8 --seq 1024 --train-steps 60 --profile-stages 0,2,3 \
     -- --stages 0,3 --train-steps 30
+
+# 6b --------------------------------------------------------------- the main job
+# `python -m zerompi.train` as users run it: 2 ranks (on one GPU they share it), device
+# auto, the tiny preset on the bundled corpus, 20 steps and a checkpoint; output in the log,
+# and the device it resolved to.
+if [ "$MPI_OK" = 1 ]; then
+    TRAIN_TMP="$(mktemp -d)"
+    ZEROMPI_CACHE="$TRAIN_TMP/cache" step train-cmd 60 20 mpiexec -n 2 "$PY" -m zerompi.train \
+        --model.preset tiny --max_steps 20 --global_batch 8 --checkpoint_interval 10 --log_interval 5 \
+        --progress lines --run_dir "$TRAIN_TMP/run"
+    log "train-cmd device: $("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["device"])' \
+        "$TRAIN_TMP/run/config.json" 2>&1)"
+    rm -rf "$TRAIN_TMP"
+else
+    report train-cmd skip 0 "no working MPI (step mpi)"
+fi
 
 # 7 ---------------------------------------------------------------- if time is left
 pytest_step build-tests 60 20 build_junit.xml tests/unit/test_kernels_build.py -k "nvcc_compiles or nvrtc_compiles"

@@ -24,7 +24,8 @@ from mpirun import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
-STEPS = ["env-probe", "mpi", "kernel-tests", "kernel-bench", "mpi-gpu-tests", "e2e", "build-tests", "e2e-1b"]
+STEPS = ["env-probe", "mpi", "kernel-tests", "kernel-bench", "mpi-gpu-tests", "e2e", "train-cmd", "build-tests",
+         "e2e-1b"]
 FILES = {"acceptance.log", "env.json", "kernels_junit.xml", "kernels_bench.json", "mpi_junit.xml", "e2e.json",
          "build_junit.xml", "e2e_1b.json"}
 
@@ -65,6 +66,7 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
     assert env_probe["decide"]["gpu"] is False and env_probe["torch"]["cuda_available"] is False
     assert "swap_data_ptr" in env_probe["torch"] and "resolves_to" in env_probe["host"]
     assert env_probe["zerompi_commit_given"] == "c0ffee" and "(given: c0ffee)" in log  # --commit
+    assert "zerompi.train: done, 20 steps" in log and "train-cmd device: cpu" in log, log[-3000:]
     # nothing failed, and what needs the GPU skipped saying why (the NCCL dtype check
     # runs where cupy is installed, test_device's binding on the CPU too)
     for junit, n_gpu in (("kernels_junit.xml", 18), ("mpi_junit.xml", 10)):
