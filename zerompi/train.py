@@ -52,19 +52,24 @@ PROG = "zerompi.train"
 _COMMAND = __name__ == "__main__"
 
 
-def _one_line(errors: list, world) -> bool:
-    """Print the job's one error line (rank 0), naming the first rank that failed."""
+def _agreed(world, error, what: str, value) -> bool:
+    """Collective: True when no rank failed (`error`: its exception or message, or None)
+    and every rank holds rank 0's `value`; otherwise rank 0 prints the job's one error line,
+    naming the first rank that failed or differs (runtime.agree, runtime.same_everywhere)."""
+    errors = runtime.agree(world, error)
+    if not errors:  # the same answer on every rank: all of them compare, or none
+        errors = [(0, "", m) for m in runtime.same_everywhere(world, value, what)]
     if errors:
         r, _, msg = errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         say(f"error{f' on rank {r}' if r else ''}: {msg}{more}", rank=world.rank, prog=PROG)
-    return bool(errors)
+    return not errors
 
 
 def _agreed_config(argv: list[str], world):
     """The TrainConfig, or None once rank 0 printed the job's one error line. Every rank
-    parses and checks for itself; runtime.agree shares the failures, so a rank that failed
-    alone (or read another file than rank 0) never leaves the others in a collective.
+    parses and checks for itself, then the ranks agree, so a rank that failed alone (or
+    read another file than rank 0) never leaves the others in a collective.
     No torch here: a typo ends a job of any size before its ranks import it."""
     cfg, error = None, None
     try:
@@ -77,13 +82,7 @@ def _agreed_config(argv: list[str], world):
             raise ConfigError("zero.tensor_parallel_size", tp, problem)
     except ValueError as e:
         error = e
-    mine = to_dict(cfg) if cfg else None
-    ref = world.bcast_object(mine)  # sync: set-up only, rank 0's config is the reference
-    if error is None and ref is not None and mine != ref:
-        key, value, ref_value = runtime.first_difference(mine, ref)
-        error = (f"this rank's config differs from rank 0's: {key} = {value!r} (rank 0: {ref_value!r}); "
-                 "same file and arguments everywhere?")
-    return None if _one_line(runtime.agree(world, error), world) else cfg
+    return cfg if _agreed(world, error, "config", to_dict(cfg) if cfg else None) else None
 
 
 def _agreed_device(cfg, world):
@@ -96,10 +95,7 @@ def _agreed_device(cfg, world):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         error = ConfigError("device", "cuda", "no CUDA device visible to this rank")
-    first = world.bcast_object(device)  # sync
-    if error is None and device != first:
-        error = f"device 'auto' is {device} on this rank but {first} on rank 0 (a GPU visible to some ranks only?)"
-    return None if _one_line(runtime.agree(world, error), world) else dataclasses.replace(cfg, device=device)
+    return dataclasses.replace(cfg, device=device) if _agreed(world, error, "device", {"device": device}) else None
 
 
 @runtime.one_line_job_errors(PROG)  # diverged, busy run_dir, resume that does not fit, uneven nodes

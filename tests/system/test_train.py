@@ -145,7 +145,7 @@ def test_rank_with_another_config_is_named(tmp_path, corpus, without_torch):
     """Ranks launched with different arguments (MPMD) agree to stop, and rank 1 is named."""
     argv = [sys.executable] + TRAIN + FAST + ["--data", corpus, "--run_dir", str(tmp_path / "r")]
     rc, out, err = train_cli(["-n", "1"] + argv + [":", "-n", "1"] + argv + ["--max_steps", "4"], env=without_torch)
-    assert_one_error_line(rc, out, err, "error on rank 1: this rank's config differs from rank 0's: "
+    assert_one_error_line(rc, out, err, "error: rank 1 has a different config than rank 0: "
                                         "max_steps = 4 (rank 0: 30)")
 
 

@@ -22,9 +22,9 @@ _paused = False  # pause_collector turned it off (and not the user)
 
 
 def pause_collector() -> None:
-    """No collections until `freeze_startup_heap()`: call it first thing in a command,
-    before its imports (which create only objects that live until exit). A collector the
-    user turned off stays off."""
+    """No collections until `freeze_startup_heap()`: call it in a command right before its
+    heavy imports (torch: objects that live until exit). A collector the user turned off
+    stays off."""
     global _paused
     if gc.isenabled():
         gc.disable()
