@@ -1,7 +1,8 @@
 """One-GPU end to end (issue 12): the reference GPT in bf16, zerompi stages 0-3 at N = 1
 against the same model in plain torch (fp32 parameters, bf16 autocast, AdamW(fused=True))
 with the same micro-batch, in one run; tokens/s, their ratio, MFU, peak memory, and a
-profile of one zerompi step (top CUDA kernels by time) as a table.
+profile of one step (benchmarks/step_profile.py: the device's and the host's time, for plain
+torch and the profiled stages) as tables.
 
     python benchmarks/bench_gpu_e2e.py --preset gpt-1b --micro 8 --seq 1024 \
         --peak-flops 989e12 --out benchmarks/results/gpu_e2e.json
@@ -19,7 +20,7 @@ next one is built. `--train-steps K` adds a short run on the built-in corpus (re
 text, so the loss can fall; random tokens cannot) with its losses; `--offload` adds
 stage 2 with the optimizer offloaded to the host, for its peak GPU memory. Exit 1
 when a part failed or the corpus run's loss did not fall.
-NOT YET RUN ON A GPU: written while no GPU was lent.
+Run on one H100 (benchmarks/results/gpu/); the host-side profile (step_profile.py) not yet.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT, PRESETS, count_params  # noqa: E402
+from step_profile import profile_step  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:
@@ -85,7 +87,7 @@ def guarded(what: str, fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def run_torch(cfg, a, dev) -> dict:
+def run_torch(cfg, a, dev, profile: bool = False) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -99,7 +101,10 @@ def run_torch(cfg, a, dev) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return timed(step, cfg, a, dev)
+    rec = timed(step, cfg, a, dev)
+    if profile:
+        rec["profile"] = profile_step(step, next(batches(cfg, a.micro, a.seq, dev, 1)), dev)
+    return rec
 
 
 def engine_config(a, stage: int, offload: bool = False, lr: float = 1e-4) -> dict:
@@ -122,7 +127,7 @@ def run_zerompi(cfg, a, dev, stage: int, profile: bool, offload: bool = False) -
     rec["optimizer"] = type(engine.optimizer).__name__
     rec["backend"] = type(engine.comm).__name__
     if profile:
-        rec["profile"] = profile_step(step, cfg, a, dev)
+        rec["profile"] = profile_step(step, next(batches(cfg, a.micro, a.seq, dev, 1)), dev)
     del engine, model
     return rec
 
@@ -172,19 +177,6 @@ def flops_per_token(cfg, seq: int) -> int:
     return 6 * count_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq
 
 
-def profile_step(step, cfg, a, dev, top: int = 25) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    x, y = next(batches(cfg, a.micro, a.seq, dev, 1))
-    with profile(activities=acts) as prof:
-        step(x, y)
-        sync(dev)
-    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]
-    return [{"name": e.key, "calls": e.count, "self_us": getattr(e, key, 0)} for e in rows]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="gpt-1b", choices=sorted(PRESETS))
@@ -227,10 +219,12 @@ def main(argv=None) -> int:
             return
         print(f"{key}: {rec['tokens_per_s']:.0f} tok/s"
               + (f", {rec['tokens_ratio_vs_torch']:.3f}x torch" if "tokens_ratio_vs_torch" in rec else "")
-              + (f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""), flush=True)
+              + (f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else "")
+              + (f", device busy {rec['profile']['device_busy']:.0%} of a profiled step"
+                 if rec.get("profile", {}).get("device_busy") is not None else ""), flush=True)
 
-    record("torch_plain", guarded("plain torch", lambda: run_torch(cfg, a, dev)))
     profiled = [] if a.profile_stages == "none" else [int(s) for s in a.profile_stages.split(",")]
+    record("torch_plain", guarded("plain torch", lambda: run_torch(cfg, a, dev, bool(profiled))))
     for s in [] if a.stages == "none" else map(int, a.stages.split(",")):
         record(f"stage{s}", guarded(f"stage {s}", lambda: run_zerompi(cfg, a, dev, s, s in profiled)))
     if a.offload:

@@ -23,7 +23,8 @@
 #                    offload, staged and NCCL collectives, device binding); pytest-xdist
 #                    -n 4 where installed; every launch capped at 150 s
 #   6 e2e            (cap 120 s) e2e.json: GPT-2 124M, stages 0-3 vs plain torch, tokens/s,
-#                    MFU, peak memory, a 60-step corpus run whose loss must fall
+#                    MFU, peak memory, host- and device-side profiles of plain torch and
+#                    stages 0, 2, 3 (step_profile.py), a 60-step corpus run whose loss must fall
 #     train-cmd      (cap  60 s) `python -m zerompi.train` on 2 ranks, device auto, tiny
 #                    preset, 20 steps and a checkpoint (the log)
 #   7 build-tests    (cap  60 s) build_junit.xml: nvcc and NVRTC compile tests

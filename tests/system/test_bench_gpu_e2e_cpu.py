@@ -37,12 +37,22 @@ def _bench(tmp_path, *args):
 
 
 def test_bench_e2e_backend_mpi_frees_every_engine_and_the_loss_falls(tmp_path):
-    run, res = _bench(tmp_path, "--backend", "mpi", "--train-steps", "30")
+    run, res = _bench(tmp_path, "--backend", "mpi", "--train-steps", "30", "--profile-stages", "3")
     assert run["rc"] == 0
     assert run["events"] == ["release", "engine", "release", "engine", "release", "engine", "release"], run
     assert res["stage0"]["backend"] == res["stage3"]["backend"] == "MPICommunicator"
     assert res["stage3"]["tokens_ratio_vs_torch"] > 0
     assert res["train"]["loss_fell"], res["train"]
+    # the host-side profile (step_profile.py) of plain torch and of the profiled stage only;
+    # the engine's own Python time is told apart from the model's and torch's
+    assert "profile" not in res["stage0"]
+    plain, ours = res["torch_plain"]["profile"], res["stage3"]["profile"]
+    for p in (plain, ours):
+        assert p["profiled_step_us"] > 0 and p["host_top"] and p["python_top"], p
+        assert p["device_top"] == [] and p["device_busy"] is None  # no device on the CPU
+        assert p["python_by_package"].get("zerompi/models", 0) > 0  # the model's forward
+    assert "zerompi/zero" not in plain["python_by_package"]
+    assert ours["python_by_package"]["zerompi/zero"] > 0  # the engine's hooks and step
 
 
 def test_bench_e2e_nccl_failure_costs_only_the_nccl_numbers(tmp_path):

@@ -1,0 +1,118 @@
+"""Where one training step's time goes, for bench_gpu_e2e.py: on the device and on the host.
+
+Why both: on the H100 runs (benchmarks/results/gpu/h100-2026-11-27c) GPT-2 124M at stages
+2-3 took 15-35 ms a step more than plain torch while their kernels took about the same
+time as plain torch's: the difference is host time (Python, launches, waits), which a
+table of kernels cannot show. So a profile holds:
+  device_top    the kernels and ops with the most device time (what the old table was)
+  device_busy   the union of the kernels' intervals over the profiled step's span: a
+                fraction well under 1 means the GPU waited for the host
+  host_top      the ops and CUDA runtime calls with the most host time (launches,
+                cudaStreamSynchronize, ...)
+  host_waits    the runtime calls that block the host until the device has caught up
+  python_top    cProfile over a few further steps: the Python functions with the most
+                own time per step (ours, torch's, cupy's), file:line shortened
+  python_by_package  the same steps' own time per step by package (zerompi, torch, cupy,
+                ...), a C function's (a tensor op's launch) counted to the package that
+                called it: the host time that is ours
+On the CPU the device rows are empty and the rest is the same, so the dry run checks it.
+"""
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+
+import torch
+
+# runtime calls that block the host until the device is done (not the launches)
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
+         "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # benchmark timing only, never inside the engine
+
+
+def _busy_us(events) -> float:
+    """Length of the union of the device events' intervals (streams may overlap)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy
+
+
+def _short(path: str) -> str:
+    """site-packages/torch/nn/x.py -> torch/nn/x.py; this checkout's zerompi/x.py as is."""
+    for mark in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if mark in path:
+            return path.split(mark, 1)[1]
+    i = path.find("zerompi" + os.sep)
+    return path[i:] if i >= 0 else path
+
+
+def _package(path: str) -> str:
+    """torch, cupy, ...; zerompi's subpackages apart (zerompi/models is the model, not the engine)."""
+    parts = _short(path).split(os.sep)
+    return os.sep.join(parts[:2]) if parts[0] == "zerompi" and len(parts) > 2 else parts[0]
+
+
+def python_top(step, batch, steps: int = 5, top: int = 20) -> tuple[list[dict], dict]:
+    """Own (tottime) microseconds per step of the Python functions step() spends most
+    in, and of each package (a C function's time to its caller's package)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step(*batch)
+    prof.disable()
+    st = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    rows = sorted(st.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    by_pkg: dict[str, float] = {}
+    for (f, _line, _name), (_cc, _nc, tt, _ct, callers) in st.items():
+        if f != "~":
+            by_pkg[_package(f)] = by_pkg.get(_package(f), 0.0) + tt
+            continue
+        for (cf, _l, _n), cstats in callers.items():  # a C function: split over its callers
+            key = _package(cf) if cf != "~" else "C"
+            by_pkg[key] = by_pkg.get(key, 0.0) + cstats[2]
+    return ([{"function": f"{_short(f)}:{line}({name})" if f != "~" else name,
+              "calls_per_step": nc / steps, "own_us_per_step": tt / steps * 1e6,
+              "cum_us_per_step": ct / steps * 1e6}
+             for (f, line, name), (_cc, nc, tt, ct, _callers) in rows],
+            {k: v / steps * 1e6 for k, v in sorted(by_pkg.items(), key=lambda kv: -kv[1])})
+
+
+def profile_step(step, batch, dev: torch.device, top: int = 25) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    _sync(dev)
+    with profile(activities=acts) as prof:
+        step(*batch)
+        _sync(dev)
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    span = (max(e.time_range.end for e in cpu) - min(e.time_range.start for e in cpu)) if cpu else 0.0
+    avg = prof.key_averages()
+    by_dev = sorted(avg, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    by_host = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    busy = _busy_us(events)
+    _sync(dev)
+    py_top, by_pkg = python_top(step, batch)
+    return {
+        "profiled_step_us": span,
+        "device_busy_us": busy,
+        "device_busy": busy / span if span and dev.type == "cuda" else None,
+        "device_top": [{"name": e.key, "calls": e.count, "self_us": e.self_device_time_total}
+                       for e in by_dev if dev.type == "cuda"],
+        "host_top": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total} for e in by_host],
+        "host_waits": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total}
+                       for e in avg if e.key.startswith(WAITS) and "Async" not in e.key],
+        "python_top": py_top,
+        "python_by_package": by_pkg,
+    }
