@@ -163,3 +163,48 @@ def test_fused_optimizer_takes_torchs_stream_without_deprecation(monkeypatch):
         warnings.simplefilter("error", DeprecationWarning)
         ex._stream()
     assert made == [("from_external", (0, 77))]
+
+
+# ---------------------------------------------------------------- no host stall per bucket
+
+@pytest.mark.parametrize("blocks_host", [True, False])
+def test_stage3_reducer_serves_rounds_only_while_a_wait_would_block_the_host(blocks_host):
+    """Stage 3's reducer, out of bucket slots, completes the oldest bucket. Over MPI it
+    serves gather rounds until the reduction is done (a peer may need one first); over
+    NCCL wait() only orders torch's stream, so polling the device's progress there would
+    stall the host once per bucket (comm/base.py Handle.blocks_host)."""
+    from zerompi.zero.grads import SCATTER_PER_BUCKET, GradReducer, _Slot
+
+    calls = []
+
+    class FakeHandle:
+        def __init__(self):
+            self.blocks_host, self.tests = blocks_host, 0
+
+        def test(self):  # the device finishes only after three polls
+            self.tests += 1
+            calls.append("test")
+            return self.tests > 3
+
+        def wait(self):
+            calls.append("wait")
+
+    shard = torch.zeros(4)
+    slot = _Slot(torch.zeros(8), torch.ones(4), torch.zeros(8))
+    reducer = SimpleNamespace(poll=lambda: calls.append("poll"), mode=SCATTER_PER_BUCKET,
+                              layout=SimpleNamespace(blocks=[(0, 8)]), grad_shard=shard, slots_free=[],
+                              own={0: SimpleNamespace(size=4, shard_lo=0)})
+    GradReducer._complete(reducer, (FakeHandle(), 0, slot))
+    if blocks_host:
+        assert calls == ["test", "poll"] * 3 + ["test", "wait"]
+    else:
+        assert calls == ["wait"]
+    assert shard.tolist() == [1.0] * 4 and reducer.slots_free == [slot]  # the bucket landed
+
+
+def test_nccl_handles_leave_the_host_free_and_mpi_handles_do_not():
+    from zerompi.comm.base import DoneHandle, Handle
+    from zerompi.comm.nccl import _NcclHandle
+
+    assert Handle.blocks_host and DoneHandle.blocks_host
+    assert not _NcclHandle.blocks_host
