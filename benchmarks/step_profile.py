@@ -10,6 +10,8 @@ table of kernels cannot show. So a profile holds:
   host_top      the ops and CUDA runtime calls with the most host time (launches,
                 cudaStreamSynchronize, ...)
   host_waits    the runtime calls that block the host until the device has caught up
+  host_polls    the runtime calls that ask whether the device is done (a host that spins
+                on them is waiting too: stage 3's reducer did, per bucket, until 2026-11-27)
   python_top    cProfile over a few further steps: the Python functions with the most
                 own time per step (ours, torch's, cupy's), file:line shortened
   python_by_package  the same steps' own time per step by package (zerompi, torch, cupy,
@@ -25,9 +27,10 @@ import pstats
 
 import torch
 
-# runtime calls that block the host until the device is done (not the launches)
-WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
-         "cudaMemcpy", "cudaStreamWaitEvent")
+# runtime calls that block the host until the device is done (cudaMemcpy, not its Async
+# form), and polls
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+POLLS = ("cudaEventQuery", "cudaStreamQuery")
 
 
 def _sync(dev: torch.device) -> None:
@@ -113,6 +116,8 @@ def profile_step(step, batch, dev: torch.device, top: int = 25) -> dict:
         "host_top": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total} for e in by_host],
         "host_waits": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total}
                        for e in avg if e.key.startswith(WAITS) and "Async" not in e.key],
+        "host_polls": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total}
+                       for e in avg if e.key.startswith(POLLS)],
         "python_top": py_top,
         "python_by_package": by_pkg,
     }
