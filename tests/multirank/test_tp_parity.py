@@ -1,7 +1,8 @@
 """Tensor parallelism x ZeRO-DP on the reference GPT against single-process AdamW
 (tests/workers/tp_parity.py): tp = 2 x dp = 1 and tp = 2 x dp = 2, stages 0-3, with
 activation checkpointing off, plain, partitioned (Pa) and partitioned + offloaded;
-tp-invariant initialisation; a checkpoint saved at tp 2 x dp 2 resumed at tp 1 x dp 3.
+tp-invariant initialisation; the estimator's dry run at the same tp (memory terms, padded
+T, buffers, stage 3's pool, exact); a checkpoint saved at tp 2 x dp 2 resumed at tp 1 x dp 3.
 The vocabulary (300) is padded to 512 at tp = 2: padding must never be trained. The
 cases run in their world size's batch (support/batch.py); the trainer at tp = 2:
 tests/system/test_train.py."""
@@ -20,6 +21,10 @@ def _check(r, stages=(0, 1, 2, 3)):
         d = r[f"stage{s}"]
         assert d["init_mismatch"] == [], (s, d["init_mismatch"])
         assert d["shapes_full"], s
+        # the estimator's dry run at this tp lays out exactly what this engine built
+        assert ("estimate" in d) == (r["tp"] > 1), s
+        for k, v in d.get("estimate", {}).items():
+            assert d["memory"].get(k, 0) == v, (s, k, d["memory"].get(k), v)
 
 
 @batched(lambda n, act: tp_parity(n, "--tp", "2", "--act", act))

@@ -7,6 +7,9 @@
   4096, and its per-rank real-element counts equal a brute-force count.
 - At N = 1 the real engine's memory_report() and comm_stats() equal the dry run's, and
   the engine resolves bucket_size with the same element size as the dry run.
+- With tp > 1 it lays out one tp rank's share of the GPT (at tp 2 and 4 equal to real tp
+  engines' memory_report(): tests/multirank/test_tp_parity.py), and a config's
+  zero.tensor_parallel_size is the tp it sizes.
 The command line (`python -m zerompi.estimate`), including bucket_size "auto" at N = 4096
 (every collective's per-rank chunk >= 256 KiB): tests/system/test_estimate_cli.py.
 """
@@ -209,3 +212,40 @@ def test_dry_run_equals_the_engine_at_n1():
     runner = DryRun(models.from_preset("tiny"), ZeroConfig(precision="bf16"))
     for n in (8, 64, 4096):
         assert bucket_policy("auto", n, **kw)[0] == runner.build(n, 2).bucket > 1 << 22, n
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def test_a_tp_layout_is_one_tp_ranks_share_of_the_gpt():
+    """What parallelize() leaves on a tp rank, counted here from the GPT's shapes
+    (Megatron's split: q/k/v, MLP and the padded vocabulary divided; LayerNorms,
+    positions and the row-parallel biases whole), not by parallelize itself."""
+    cfg = models.ALL_SHAPES["gpt2"]
+    V, C, L, d = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd
+    for tp in (1, 2, 4):
+        vocab = V if tp == 1 else -(-V // (128 * tp)) * 128 * tp
+        block = (4 * d                                  # ln_1, ln_2: weight and bias
+                 + (3 * d * d + 3 * d) // tp + d * d // tp + d  # c_attn (columns), c_proj (rows) + its bias
+                 + (4 * d * d + 4 * d) // tp + 4 * d * d // tp + d)  # c_fc, c_proj + its bias
+        want = vocab // tp * d + C * d + L * block + 2 * d  # wte (tied head), wpe, blocks, ln_f
+        got = sum(p.numel() for _, p in DryRun(models.from_preset("gpt2"), tp=tp).trainable)
+        assert got == want, (tp, got, want)
+        if tp == 1:
+            assert got == models.count_params(cfg)
+
+
+def test_sizing_at_tp2_has_the_stage3_work_and_a_configs_tp_is_the_default(tmp_path):
+    """A tp > 1 run keeps its layers (it used to be sized as a flat vector, its stage-3
+    working memory unknown); a config's zero.tensor_parallel_size is taken when --tp is
+    not given (it used to be sized at tp 1)."""
+    from zerompi.estimate import api
+
+    one, two = (api.size("gpt2", [8], [3], tp=tp)["runs"][0] for tp in (1, 2))
+    assert two["work_estimated"] and 0 < two["gathered"] < one["gathered"]
+    g = models.ALL_SHAPES["gpt2"]
+    whole = g.block_size * g.n_embd + (6 * g.n_layer + 2) * g.n_embd  # wpe, LayerNorms, row biases
+    assert one["params"] / 2 < two["params"] <= one["params"] / 2 + whole + 128 * g.n_embd  # + padding rows
+    cfg = tmp_path / "tp2.toml"
+    cfg.write_text('[model]\npreset = "gpt2"\n[zero]\nstage = 3\ntensor_parallel_size = 2\n')
+    run = api.size(str(cfg), [8])["runs"][0]
+    assert run["tp"] == 2 and run["params"] == two["params"]
+

@@ -52,6 +52,22 @@ def make():
     return GPT(GPT_CFG)
 
 
+def estimate(stage: int, zcfg, dims) -> dict:
+    """What `python -m zerompi.estimate --dry-run --tp` lays out for this rank (tp rank 0,
+    dp rank 0): memory_report()'s terms, the padded T, the bucket buffers, stage 3's pool."""
+    from zerompi.estimate.activations import comm_buffer_bytes, working_bytes
+    from zerompi.estimate.dryrun import DryRun, rank_state
+    from zerompi.estimate.models import from_shape
+
+    built = DryRun(from_shape("tp worker", GPT_CFG), zcfg, a.tp).build(dims.dp_size, stage)
+    est = rank_state(built, stage, dims.dp_rank, a.precision, zcfg.grad_accum_dtype)
+    pbytes = 4 if a.precision == "fp32" else 2
+    return {**{k: est[k] for k in ("params", "grads", "master", "optimizer", "model_states")},
+            "padded_numel": built.layout.total,
+            "buffers": comm_buffer_bytes(built.layout, zcfg.bucket_count, 4 if zcfg.reduce_dtype == "fp32" else 2),
+            "gather_pool": working_bytes(built, stage, zcfg, pbytes)["gathered"]}
+
+
 result = {"world": world.size, "tp": a.tp}
 if world.rank == 0:
     ref = make()
@@ -116,6 +132,8 @@ for stage in [int(s) for s in a.stages.split(",")]:
     if world.rank == 0:
         result[key]["init_mismatch"] = sorted({n for b in bad for n in b})
         result[key]["memory"] = engine.memory_report()
+        if a.tp > 1:  # (at tp 1 this worker still pads the vocabulary; the train command does not split)
+            result[key]["estimate"] = estimate(stage, zerompi.load_config(cfg), dims)
 if world.rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

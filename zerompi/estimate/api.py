@@ -157,7 +157,7 @@ def _across(runs: list[dict], runner, per: dict, zcfg: ZeroConfig, precision: st
 
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,
          precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
-         tp: int = 1, bucket: "int | str | None" = None, micro_batch: int | None = None,
+         tp: int | None = None, bucket: "int | str | None" = None, micro_batch: int | None = None,
          seq_len: int = 0, mem_per_rank: int | None = None, link=None, alpha=None, beta=None,
          zero: ZeroConfig | None = None, ranks_per_node: int | None = None, nodes: int | None = None,
          nics_per_node: int | None = None, intra_link="nvlink", shard_group=None, hierarchical=None,
@@ -178,6 +178,7 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     precision = precision or zcfg.precision
     gdt = grad_accum_dtype or zcfg.grad_accum_dtype
     gas = gas or zcfg.gradient_accumulation_steps
+    tp = _resolve_tp(tp, zcfg, spec)
     stages = list(stages) if stages else ([zcfg.stage] if zcfg_cfg or zero else list(STAGES))
     _check(dps, stages, tp, gas)
     memory.element_bytes(precision, gdt)
@@ -186,10 +187,9 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     lk = resolve_link(link, alpha, beta)
     per = placement(dps, ranks_per_node, nodes)
     if per and tp != 1:
-        raise ValueError("--ranks-per-node/--nodes price the engine's layout, which the estimator builds at "
-                         "tp 1: use --tp 1")
-    layout_spec = spec if tp == 1 else models.from_params(spec.psi / tp)
-    runner = DryRun(layout_spec, zcfg)
+        raise ValueError("--ranks-per-node/--nodes place data-parallel ranks on nodes, which the estimator "
+                         "prices at tp 1 only: use --tp 1")
+    runner = DryRun(spec, zcfg, tp)
     mode = (zcfg.shard_group, zcfg.comm.hierarchical, zcfg.stage3.secondary_partition)
     runs, buckets = [], []
     for n in dps:
@@ -201,9 +201,7 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
                                  tp=tp, bucket=b, micro_batch=micro_batch,
                                  global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank,
                                  link=lk, plan=plan))
-    note = "" if tp == 1 else (f"\nThe layout does not split the model by tensor parallelism: with tp = {tp} "
-                               f"it is a flat vector of Ψ/tp = {spec.psi // tp:,} elements per tp rank.")
-    out = {"mode": "size", "model": spec.describe() + note, "psi": spec.psi,
+    out = {"mode": "size", "model": spec.describe() + _tp_note(spec, runner), "psi": spec.psi,
            "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
            "mem_per_rank": mem_per_rank, "runs": runs}
     if per:
@@ -218,10 +216,12 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
             alpha=None, beta=None, seq_len: int = 0, zero: ZeroConfig | None = None,
             ranks_per_node: int | None = None, nodes: int | None = None, nics_per_node: int | None = None,
             intra_link="nvlink", shard_group=None, hierarchical=None, secondary_partition=None,
-            modes: dict | None = None) -> dict:
+            modes: dict | None = None, tp: int | None = None) -> dict:
     """The engine's own partition layout at N virtual ranks (no MPI, no data, no
     parameter memory): per-rank bytes against the formula, imbalance, collectives. With
-    ranks_per_node or nodes: also each run's mode and every other across nodes (as size())."""
+    ranks_per_node or nodes: also each run's mode and every other across nodes (as size()).
+    tp (default: the config's zero.tensor_parallel_size, else 1): N is then the number
+    of data-parallel ranks, and the layout is of one tp rank's share of the model."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     spec, zcfg_cfg, _ = resolve_model(model, seq_len)
@@ -230,7 +230,8 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
     precision = precision or zcfg.precision
     gdt = grad_accum_dtype or zcfg.grad_accum_dtype
     gas = gas or zcfg.gradient_accumulation_steps
-    _check(dps, stages, 1, gas)
+    tp = _resolve_tp(tp, zcfg, spec)
+    _check(dps, stages, tp, gas)
     memory.element_bytes(precision, gdt)
     for r in check_ranks or ():
         if not all(0 <= r < n for n in dps):
@@ -238,19 +239,45 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
     # a link only when named: otherwise "auto" is the engine's own rule
     lk = resolve_link(link, alpha, beta) if bucket == "auto" and (link or alpha or beta) else None
     per = placement(dps, ranks_per_node, nodes)
-    runner = DryRun(spec, zcfg)
+    if per and tp != 1:
+        raise ValueError("--ranks-per-node/--nodes place data-parallel ranks on nodes, which the estimator "
+                         "prices at tp 1 only: use --tp 1")
+    runner = DryRun(spec, zcfg, tp)
     buckets = [_bucket_at(bucket, n, zcfg, precision, lk, s) for n in dps for s in stages]
     runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None, b)
             for (n, s), b in zip([(n, s) for n in dps for s in stages], buckets)]
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    out = {"mode": "dry_run", "model": spec.describe(), "psi": spec.psi,
-           "settings": _settings(zcfg, precision, gdt, gas, 1, bucket),
+    out = {"mode": "dry_run", "model": spec.describe() + _tp_note(spec, runner), "psi": spec.psi,
+           "settings": _settings(zcfg, precision, gdt, gas, tp, bucket),
            "meta_seconds": runner.meta_seconds, "rss_growth_mib": rss,
            "seconds": time.perf_counter() - t0, "runs": runs}
     if per:
         out["nodes"] = _across(runs, runner, per, zcfg, precision, gas, gdt, buckets,
                                resolve_link(link, alpha, beta), intra_link, nics_per_node, modes)
     return out
+
+
+def _resolve_tp(tp: int | None, zcfg: ZeroConfig, spec: models.ModelSpec) -> int:
+    """tp as given, else the config's zero.tensor_parallel_size; a size the GPT cannot be
+    split over is an error naming where it came from (the train command's own check)."""
+    src, tp = ("--tp", tp) if tp is not None else ("zero.tensor_parallel_size", zcfg.tensor_parallel_size)
+    problem = spec.gpt.tp_problem(tp) if spec.gpt is not None and tp > 1 else None
+    if problem:
+        raise ValueError(f"{src} {tp}: {problem}")
+    return tp
+
+
+def _tp_note(spec: models.ModelSpec, runner: DryRun) -> str:
+    """What the layout is of, when tp > 1."""
+    if runner.tp == 1:
+        return ""
+    local = sum(p.numel() for _, p in runner.trainable)
+    if spec.gpt is None:
+        return (f"\ntp = {runner.tp}: a bare count has no layers to split; each tp rank lays out a flat "
+                f"vector of Ψ/tp = {local:,} elements.")
+    return (f"\ntp = {runner.tp}: each tp rank lays out its share as the train command splits the model "
+            f"(parallel/parallelize.py: heads, MLP and padded vocabulary split; LayerNorms, positions "
+            f"and row-parallel biases replicated): {local:,} parameters.")
 
 
 def parse_list(text: str, what: str) -> list[int]:

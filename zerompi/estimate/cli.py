@@ -54,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
                    help="build the engine's partition layout at each N (no MPI, no memory)")
     p.add_argument("--dp", default=None, help="data-parallel ranks N, comma-separated "
                    "(default 1,4,16,64,256,1024; dry run 1,3,64,1024,4096; on nodes 1024)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: Psi/tp per rank before ZeRO")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree (default: the config's zero.tensor_parallel_size, else 1): "
+                        "each tp rank's share of the model, partitioned over --dp data-parallel ranks")
     p.add_argument("--stage", default=None, help="ZeRO stages, comma-separated (default: all; "
                    "with --config its zero.stage)")
     p.add_argument("--precision", choices=memory.PRECISIONS, default=None,
@@ -128,20 +130,17 @@ def run(argv: list[str]) -> tuple[dict | list, str]:
         raise ValueError("--nics-per-node goes with --ranks-per-node or --nodes")
     moded = any(v is not None for v in (a.shard_group, a.hierarchical, a.secondary_partition))
     if a.dry_run:
-        if a.tp != 1:
-            raise ValueError("--dry-run lays out the engine's layout of the plain model; it does not "
-                             "apply tensor parallelism to it: use --tp 1")
         dps = api.parse_list(a.dp or ("1024" if placed else "1,3,64,1024,4096"), "--dp")
         checks = api.parse_list(a.check_ranks, "--check-ranks") if a.check_ranks else None
         res = api.dry_run(model, dps, stages or api.STAGES, precision=a.precision,
                           grad_accum_dtype=a.grad_accum_dtype, gas=a.gas, bucket=bucket, check_ranks=checks,
-                          link=a.link, alpha=a.alpha, beta=a.beta, seq_len=a.seq, **nodes)
+                          link=a.link, alpha=a.alpha, beta=a.beta, seq_len=a.seq, tp=a.tp, **nodes)
         return res, report.render_dry_run(res)
     dps = api.parse_list(a.dp or ("1024" if placed else ",".join(map(str, memory.TABLE1_DP))), "--dp")
     if a.params is not None and mem is None and a.link is None and a.alpha is None and a.beta is None \
             and not placed and not moded:
         res = api.formulas(a.params, dps, stages or api.STAGES, a.precision or "bf16",
-                           a.grad_accum_dtype or "param", a.tp)
+                           a.grad_accum_dtype or "param", a.tp or 1)
         return res, report.render_formulas(res)
     res = api.size(model, dps, stages, precision=a.precision, grad_accum_dtype=a.grad_accum_dtype, gas=a.gas,
                    tp=a.tp, bucket=bucket, micro_batch=a.micro_batch, seq_len=a.seq, mem_per_rank=mem,

@@ -62,10 +62,10 @@ class Built:
 class DryRun:
     """Builds (and caches) layouts of one model for any N and stage."""
 
-    def __init__(self, spec: ModelSpec, zcfg: ZeroConfig | None = None):
-        self.spec, self.zcfg = spec, zcfg or ZeroConfig()
+    def __init__(self, spec: ModelSpec, zcfg: ZeroConfig | None = None, tp: int = 1):
+        self.spec, self.zcfg, self.tp = spec, zcfg or ZeroConfig(), tp
         t = time.perf_counter()
-        self.model = meta_model(spec)
+        self.model = meta_model(spec, tp)  # with tp > 1: one tp rank's share, what its engine lays out
         self.trainable = [(n, p) for n, p in self.model.named_parameters(remove_duplicate=True)
                           if p.requires_grad]
         self.meta_seconds = time.perf_counter() - t

@@ -83,14 +83,32 @@ def reshape(spec: ModelSpec, **changes) -> ModelSpec:
     return ModelSpec(spec.name, count_params(cfg), cfg, spec.seq_len)
 
 
-def meta_model(spec: ModelSpec) -> torch.nn.Module:
-    """The real GPT module with every parameter on the `meta` device (no storage), or a
-    one-parameter stand-in for a bare count."""
+class _FirstTPRank:
+    """What parallelize() reads of a tp group while it splits the weights: its size and
+    this rank. Every tp rank's share has the same shapes (heads, MLP columns and padded
+    vocabulary rows split evenly; the rest replicated), so rank 0's stands for all."""
+
+    rank = 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def meta_model(spec: ModelSpec, tp: int = 1) -> torch.nn.Module:
+    """The real GPT module with every parameter on the `meta` device (no storage), split
+    for one tp rank as parallel/parallelize.py splits it when tp > 1 (a tp size the model
+    cannot take is the ConfigError the train command gives); for a bare count, a
+    one-parameter stand-in of Psi / tp elements (no layers to split)."""
     with torch.device("meta"):
         if spec.gpt is not None:
-            return GPT(spec.gpt)
+            model = GPT(spec.gpt)
+            if tp > 1:
+                from ..parallel.parallelize import parallelize
+
+                parallelize(model, _FirstTPRank(tp))
+            return model
         m = torch.nn.Module()
-        m.flat = torch.nn.Parameter(torch.empty(spec.psi))
+        m.flat = torch.nn.Parameter(torch.empty(-(-spec.psi // tp)))
         return m
 
 

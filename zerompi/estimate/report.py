@@ -137,7 +137,7 @@ def render_sizing(res: dict) -> str:
         out.append("work includes stage 3's secondary partition (zero.stage3.secondary_partition): " + ", ".join(
             f"N = {d['N']}: {g(d['secondary_bytes'])} {uname}" for d in runs if d["secondary_bytes"]) + ".")
     if not runs[0]["work_estimated"]:
-        out.append("work n/a: a bare parameter count (or tp > 1) has no module structure to estimate it from.")
+        out.append("work n/a: a bare parameter count has no module structure to estimate it from.")
     if mem is not None and not has_act:
         for d in runs:
             fits = "fit" if d["fit"]["model_states_fit"] else "do NOT fit"

@@ -52,8 +52,8 @@ def size_run(spec: ModelSpec, runner: DryRun, n: int, *, stage: int, precision: 
              micro_batch: int | None = None, global_batch: int | None = None,
              mem_per_rank: int | None = None, link=None, plan=None) -> dict:
     """One (model, N, stage) sized. `runner` lays out the parameters the engine partitions
-    (spec's GPT, or with tp > 1 a flat vector of Psi / tp: the engine has no tensor
-    parallelism yet, so no real tp layout exists); `spec` gives the activations. `plan`
+    (spec's GPT, with tp > 1 one tp rank's share of it; a bare count is a flat vector);
+    `spec` gives the activations. `plan`
     (zero/groups.py GroupPlan, hierarchy.plan_for): the run's groups; states are
     partitioned over its shard group, stage 3 adds its secondary copies (default: flat)."""
     zcfg = runner.zcfg
