@@ -210,3 +210,34 @@ def test_cli_nodes(capsys):
     assert capsys.readouterr().err.strip() == "zerompi.estimate: error: --nodes 4: must divide every N of --dp (not 6)"
     assert main(["--model", "small", "--dp", "4", "--nics-per-node", "1"]) == 2
     assert "--nics-per-node goes with" in capsys.readouterr().err
+
+
+def test_tp_groups_fill_nodes_and_share_their_links():
+    """With tp T a node of P ranks holds P/T whole tp groups (ParallelDims: ranks r // T),
+    so a data-parallel group has P/T ranks on it, and the node's T groups (one per tp
+    rank) move the same bytes at once: each gets 1/T of the node's links."""
+    assert api.placement([512], ranks_per_node=8, tp=8) == {512: 1}
+    assert api.placement([64], ranks_per_node=8, tp=2) == {64: 4}
+    assert api.placement([64], nodes=16, tp=4) == {64: 4}  # K nodes: N / K of each group
+    with pytest.raises(ValueError, match="--ranks-per-node 6: a node must hold whole tp groups of tp 4"):
+        api.placement([8], ranks_per_node=6, tp=4)
+    with pytest.raises(ValueError, match=r"--ranks-per-node 8 does not divide N = 6 data-parallel ranks \(x tp 2\)"):
+        api.placement([6], ranks_per_node=8, tp=2)
+    link = Link("test", 5e-6, 1 / 25e9)
+    at = lambda tp, rpn, nics: api.size("gpt2", [16], [3], tp=tp, ranks_per_node=rpn, nics_per_node=nics,  # noqa: E731
+                                        link=link, modes={})["runs"][0]["nodes"]
+    two = at(2, 8, 2)
+    assert two["ranks_per_node"] == 4 and two["nics_per_node"] == 1  # 2 links / 2 groups per node
+    # the same data-parallel layout with one link of its own per node: the same time, and
+    # the node's link carries both tp ranks' groups
+    from zerompi.estimate import hierarchy, models
+    from zerompi.estimate.dryrun import DryRun
+
+    runner = DryRun(models.from_preset("gpt2"), api.ZeroConfig(precision="bf16"), tp=2)
+    one = hierarchy.price(runner, 16, 4, 3, hierarchy.settings_of(runner.zcfg), "bf16", 1, "param",
+                          None, link, api.resolve_link("nvlink"), 1)
+    assert two["time"]["seconds"] == pytest.approx(one["time"]["seconds"])
+    assert two["node_link_bytes"] == 2 * one["node_link_bytes"] > 0
+    # tp 4 on nodes of 4: one rank of each group per node, so every byte crosses
+    four = at(4, 4, None)
+    assert four["ranks_per_node"] == 1 and four["intra_bytes_per_rank"] == 0 < four["cross_bytes_per_rank"]

@@ -108,21 +108,29 @@ def _bucket_at(bucket, n: int, zcfg: ZeroConfig, precision: str, link, stage: in
     return bucket_policy("auto", n, elem_bytes=auto_elem_bytes(precision, zcfg.reduce_dtype, stage), link=link)
 
 
-def placement(dps: Sequence[int], ranks_per_node: int | None = None, nodes: int | None = None) -> dict | None:
-    """{N: ranks per node} for every N (block placement): `ranks_per_node` P, or `nodes`
-    K for P = N / K; None without either (one node)."""
+def placement(dps: Sequence[int], ranks_per_node: int | None = None, nodes: int | None = None,
+              tp: int = 1) -> dict | None:
+    """{N: data-parallel ranks per node} for every N of data-parallel ranks (block
+    placement): `ranks_per_node` P, every rank of the node counted, or `nodes` K; None
+    without either (one node). With tp T the node's P ranks are P / T whole tp groups
+    (ParallelDims: ranks r // T share one), so a data-parallel group has P / T on each."""
     if ranks_per_node is None and nodes is None:
         return None
     if ranks_per_node is not None and nodes is not None:
-        raise ValueError("--ranks-per-node P and --nodes K say the same (P = N / K): give one")
+        raise ValueError("--ranks-per-node P and --nodes K say the same (P = N x tp / K): give one")
     flag, v = ("--nodes", nodes) if nodes is not None else ("--ranks-per-node", ranks_per_node)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
-    bad = [n for n in dps if n % v]
+    if nodes is None and v % tp:
+        raise ValueError(f"--ranks-per-node {v}: a node must hold whole tp groups of tp {tp} "
+                         "(consecutive ranks share a tp group)")
+    per = v if nodes is not None else v // tp  # nodes K, else the group's ranks on a node
+    bad = [n for n in dps if n % per]
     if bad:
         raise ValueError(f"--nodes {v}: must divide every N of --dp (not {bad[0]})" if nodes is not None else
-                         f"--ranks-per-node {v} does not divide N = {bad[0]}")
-    return {n: n // nodes if nodes is not None else ranks_per_node for n in dps}
+                         f"--ranks-per-node {v} does not divide N = {bad[0]}"
+                         + (f" data-parallel ranks (x tp {tp})" if tp > 1 else ""))
+    return {n: n // nodes if nodes is not None else per for n in dps}
 
 
 def with_mode(zcfg: ZeroConfig, shard_group=None, hierarchical: str | None = None, secondary_partition=None):
@@ -142,17 +150,22 @@ def _link_dict(link) -> dict:
 
 def _across(runs: list[dict], runner, per: dict, zcfg: ZeroConfig, precision: str, gas: int, gdt: str,
             buckets: list, inter, intra_link, nics: int | None, modes: dict | None) -> dict:
-    """Each run's own mode across nodes (run["nodes"]) and every mode compared."""
+    """Each run's own mode across nodes (run["nodes"]) and every mode compared. With tp
+    T a node's T data-parallel groups (one per tp rank) run the same collectives at the
+    same moments, so each gets 1/T of the node's links."""
     if nics is not None and (isinstance(nics, bool) or not isinstance(nics, int) or nics < 1):
         raise ValueError(f"--nics-per-node must be an integer >= 1 (got {nics!r})")
     intra = resolve_link(intra_link)
     own, out = hier.settings_of(zcfg), []
+    share = None if nics is None else nics / runner.tp
     for run, b in zip(runs, buckets):
         run["nodes"], priced = hier.compare(runner, run["N"], per[run["N"]], run["stage"], own, precision, gas,
-                                            gdt, b, inter, intra, nics, modes)
+                                            gdt, b, inter, intra, share, modes)
+        for d in {id(d): d for d in [run["nodes"], *priced]}.values():
+            d["node_link_bytes"] *= runner.tp  # every tp rank's group crosses the same links
         out += priced
-    return {"inter": _link_dict(inter), "intra": _link_dict(intra), "nics_per_node": nics, "own": own,
-            "modes": out}
+    return {"inter": _link_dict(inter), "intra": _link_dict(intra), "nics_per_node": nics, "tp": runner.tp,
+            "own": own, "modes": out}
 
 
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,
@@ -185,10 +198,7 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1 (got {micro_batch})")
     lk = resolve_link(link, alpha, beta)
-    per = placement(dps, ranks_per_node, nodes)
-    if per and tp != 1:
-        raise ValueError("--ranks-per-node/--nodes place data-parallel ranks on nodes, which the estimator "
-                         "prices at tp 1 only: use --tp 1")
+    per = placement(dps, ranks_per_node, nodes, tp)
     runner = DryRun(spec, zcfg, tp)
     mode = (zcfg.shard_group, zcfg.comm.hierarchical, zcfg.stage3.secondary_partition)
     runs, buckets = [], []
@@ -238,10 +248,7 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
             raise ValueError(f"--check-ranks: rank {r} is outside some N of --dp {list(dps)}")
     # a link only when named: otherwise "auto" is the engine's own rule
     lk = resolve_link(link, alpha, beta) if bucket == "auto" and (link or alpha or beta) else None
-    per = placement(dps, ranks_per_node, nodes)
-    if per and tp != 1:
-        raise ValueError("--ranks-per-node/--nodes place data-parallel ranks on nodes, which the estimator "
-                         "prices at tp 1 only: use --tp 1")
+    per = placement(dps, ranks_per_node, nodes, tp)
     runner = DryRun(spec, zcfg, tp)
     buckets = [_bucket_at(bucket, n, zcfg, precision, lk, s) for n in dps for s in stages]
     runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None, b)

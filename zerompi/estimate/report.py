@@ -205,12 +205,16 @@ def render_nodes(nodes: dict) -> str:
                      _bytes(d["cross_bytes_per_rank"]), _bytes(d["node_link_bytes"]),
                      secs(d["time"]["seconds"]),
                      f"{d['time']['inter_seconds'] / max(d['time']['seconds'], 1e-30):.0%}"])
-    own, q = nodes["own"], nodes["nics_per_node"]
+    own, q, tp = nodes["own"], nodes["nics_per_node"], nodes.get("tp", 1)
+    tp_line = ([f"tp {tp}: P is one data-parallel group's ranks on a node ({tp} x P ranks in all, whole tp groups); "
+                f"the node's {tp} groups move the same bytes at once, so each gets 1/{tp} of its links; "
+                "the tp groups' own collectives (inside a node) are not priced."] if tp > 1 else [])
     return "\n".join([
         f"Across nodes (hierarchy.py), ranks in blocks of P per node; links: between nodes {inter['name']} "
         f"({inter['alpha'] * 1e6:g} us, {_gbs(inter['beta'])} GB/s, "
         + (f"{q} per node" if q else "one per rank") + f"), inside {intra['name']} "
         f"({intra['alpha'] * 1e6:g} us, {_gbs(intra['beta'])} GB/s).",
+        *tp_line,
         table(head, body),
         f"*: this run's mode (shard_group {own['shard_group']}, comm.hierarchical {own['hierarchical']}, "
         f"stage3.secondary_partition {own['secondary']}); the others: zero.* set as named "
