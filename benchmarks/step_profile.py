@@ -11,7 +11,8 @@ table of kernels cannot show. So a profile holds:
                 cudaStreamSynchronize, ...)
   host_waits    the runtime calls that block the host until the device has caught up
   host_polls    the runtime calls that ask whether the device is done (a host that spins
-                on them is waiting too: stage 3's reducer did, per bucket, until 2026-11-27)
+                on them is waiting too: stage 3's reducer does, once its bucket slots are
+                all in flight, see docs/architecture.md)
   python_top    cProfile over a few further steps: the Python functions with the most
                 own time per step (ours, torch's, cupy's), file:line shortened
   python_by_package  the same steps' own time per step by package (zerompi, torch, cupy,

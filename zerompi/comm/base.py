@@ -123,12 +123,7 @@ class Handle:
     `test()` drives progress without blocking (MPI progresses non-blocking collectives
     only inside MPI calls, so the gradient hooks poke in-flight handles); `wait()`
     blocks, then runs the finishing step (e.g. the ordered sum of a reduce-scatter).
-    `blocks_host` is False where wait() only orders the caller's device stream after
-    the collective (NCCL): then a caller has nothing to serve while it waits, and
-    polling test() until done would stall the host until the device caught up.
     """
-
-    blocks_host = True
 
     def __init__(self, stats: CommStats, op: str, wait_fn: Callable[[], None],
                  test_fn: Callable[[], bool], finish: Callable[[], None] | None = None,

@@ -85,8 +85,6 @@ def _on_host(*ts) -> bool:
 class _NcclHandle(Handle):
     """Completion of one collective on the comm stream (see the module docstring)."""
 
-    blocks_host = False  # wait() makes torch's stream wait on the event; the host goes on
-
     def __init__(self, owner: "NCCLCommunicator", op: str, event, keep: tuple):
         self._owner, self._event, self.keep = owner, event, keep
         super().__init__(owner._stats, op, wait_fn=lambda: None, test_fn=self._poll,

@@ -188,11 +188,9 @@ class GradReducer:
 
     def _complete(self, entry, poll: bool = True) -> None:
         h, k, slot = entry
-        if poll and self.poll is not None and h.blocks_host:
+        if poll and self.poll is not None:
             # Stage 3: a peer may be waiting for this rank in a gather round before it
-            # can launch this very block; keep serving rounds instead of blocking. Not
-            # where wait() leaves the host free (NCCL): polling the device's progress
-            # there would stall the host, and the launches behind it, every bucket.
+            # can launch this very block; keep serving rounds instead of blocking.
             while not h.test():
                 self.poll()
         h.wait()
