@@ -10,6 +10,7 @@ table of kernels cannot show. So a profile holds:
   host_top      the ops and CUDA runtime calls with the most host time (launches,
                 cudaStreamSynchronize, ...)
   host_waits    the runtime calls that block the host until the device has caught up
+                (with one cudaDeviceSynchronize of the profile's own, ending the step)
   host_polls    the runtime calls that ask whether the device is done (a host that spins
                 on them is waiting too: stage 3's reducer does, once its bucket slots are
                 all in flight, see docs/architecture.md)

@@ -10,7 +10,7 @@ from zerompi.estimate.cli import main
                                   ["--config", "no/such.toml"], ["--params", "1e9", "--mem-per-rank", "2XB"],
                                   ["--model", "tiny", "--link", "nope"], ["--model", "tiny", "--alpha", "1e-6"],
                                   ["--model", "tiny", "--stage", "5"], ["--dp", "1,x", "--params", "1e9"],
-                                  ["--model", "tiny", "--dry-run", "--tp", "3"], []])
+                                  ["--model", "tiny", "--dry-run", "--tp", "3"], ["--params", "1e9", "--tp", "0"], []])
 def test_bad_input_is_one_line(args, capsys):
     assert main(args) == 2, args
     out, err = capsys.readouterr()

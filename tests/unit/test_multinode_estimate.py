@@ -227,7 +227,7 @@ def test_tp_groups_fill_nodes_and_share_their_links():
     at = lambda tp, rpn, nics: api.size("gpt2", [16], [3], tp=tp, ranks_per_node=rpn, nics_per_node=nics,  # noqa: E731
                                         link=link, modes={})["runs"][0]["nodes"]
     two = at(2, 8, 2)
-    assert two["ranks_per_node"] == 4 and two["nics_per_node"] == 1  # 2 links / 2 groups per node
+    assert two["ranks_per_node"] == 4 and two["nics_per_node"] == 2 and two["nics_per_group"] == 1
     # the same data-parallel layout with one link of its own per node: the same time, and
     # the node's link carries both tp ranks' groups
     from zerompi.estimate import hierarchy, models
@@ -238,6 +238,8 @@ def test_tp_groups_fill_nodes_and_share_their_links():
                           None, link, api.resolve_link("nvlink"), 1)
     assert two["time"]["seconds"] == pytest.approx(one["time"]["seconds"])
     assert two["node_link_bytes"] == 2 * one["node_link_bytes"] > 0
+    assert two["cross_bytes_total"] == 2 * one["cross_bytes_total"]
+    assert two["cross_bytes_per_rank"] == one["cross_bytes_per_rank"]
     # tp 4 on nodes of 4: one rank of each group per node, so every byte crosses
     four = at(4, 4, None)
     assert four["ranks_per_node"] == 1 and four["intra_bytes_per_rank"] == 0 < four["cross_bytes_per_rank"]

@@ -162,10 +162,21 @@ def _across(runs: list[dict], runner, per: dict, zcfg: ZeroConfig, precision: st
         run["nodes"], priced = hier.compare(runner, run["N"], per[run["N"]], run["stage"], own, precision, gas,
                                             gdt, b, inter, intra, share, modes)
         for d in {id(d): d for d in [run["nodes"], *priced]}.values():
-            d["node_link_bytes"] *= runner.tp  # every tp rank's group crosses the same links
+            _whole_nodes(d, runner.tp)
         out += priced
     return {"inter": _link_dict(inter), "intra": _link_dict(intra), "nics_per_node": nics, "tp": runner.tp,
             "own": own, "modes": out}
+
+
+def _whole_nodes(d: dict, tp: int) -> None:
+    """hierarchy.price's figures are one data-parallel group's; a node carries tp of
+    them at once: its links' bytes and the job's bytes across count all, and the group's
+    share of the links (what it was priced with) is kept apart. Per-rank figures and the
+    rows (one group's sub-collectives) stay as priced."""
+    d["tp"], d["nics_per_group"] = tp, d["nics_per_node"]
+    d["nics_per_node"] = d["nics_per_group"] * tp
+    d["node_link_bytes"] *= tp
+    d["cross_bytes_total"] *= tp
 
 
 def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | None = None, *,
@@ -211,7 +222,7 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
                                  tp=tp, bucket=b, micro_batch=micro_batch,
                                  global_batch=None if micro_batch else global_batch, mem_per_rank=mem_per_rank,
                                  link=lk, plan=plan))
-    out = {"mode": "size", "model": spec.describe() + _tp_note(spec, runner), "psi": spec.psi,
+    out = {"mode": "size", "model": spec.describe() + _tp_note(spec, runner), "psi": spec.psi, "tp": tp,
            "settings": _settings(zcfg, precision, gdt, gas, tp, bucket), "global_batch": global_batch,
            "mem_per_rank": mem_per_rank, "runs": runs}
     if per:
@@ -254,7 +265,7 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
     runs = [_dry_run(runner, n, s, precision, gdt, gas, tuple(check_ranks) if check_ranks else None, b)
             for (n, s), b in zip([(n, s) for n in dps for s in stages], buckets)]
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    out = {"mode": "dry_run", "model": spec.describe() + _tp_note(spec, runner), "psi": spec.psi,
+    out = {"mode": "dry_run", "model": spec.describe() + _tp_note(spec, runner), "psi": spec.psi, "tp": tp,
            "settings": _settings(zcfg, precision, gdt, gas, tp, bucket),
            "meta_seconds": runner.meta_seconds, "rss_growth_mib": rss,
            "seconds": time.perf_counter() - t0, "runs": runs}

@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
                    "hierarchy mode (hybrid sharding, two-level collectives, stage-3 secondary partition) compared; "
                    "--link/--alpha/--beta is then the link between nodes")
     p.add_argument("--nodes", type=int, default=None, metavar="K",
-                   help="the same as --ranks-per-node N/K: the N ranks on K nodes")
+                   help="the same as --ranks-per-node N x tp / K: the N x tp ranks on K nodes")
     p.add_argument("--nics-per-node", type=int, default=None, metavar="Q",
                    help="with nodes: links between nodes per node, each the --link (default one per rank; "
                    "1: one link shared by the node's ranks)")
@@ -140,7 +140,7 @@ def run(argv: list[str]) -> tuple[dict | list, str]:
     if a.params is not None and mem is None and a.link is None and a.alpha is None and a.beta is None \
             and not placed and not moded:
         res = api.formulas(a.params, dps, stages or api.STAGES, a.precision or "bf16",
-                           a.grad_accum_dtype or "param", a.tp or 1)
+                           a.grad_accum_dtype or "param", 1 if a.tp is None else a.tp)
         return res, report.render_formulas(res)
     res = api.size(model, dps, stages, precision=a.precision, grad_accum_dtype=a.grad_accum_dtype, gas=a.gas,
                    tp=a.tp, bucket=bucket, micro_batch=a.micro_batch, seq_len=a.seq, mem_per_rank=mem,
