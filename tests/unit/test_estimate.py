@@ -163,6 +163,10 @@ def test_activations_formula():
     a32 = activations.activation_bytes(spec, 2, "fp32")
     assert a32["none"]["device"] > 1.9 * a["none"]["device"] - head
     assert activations.activation_bytes(models.from_params(1e9), 1) is None
+    # at tp 4 a rank's logits span its share of the vocabulary padded to 128 x 4 (50304 is 98.25 x 512)
+    a4 = activations.activation_bytes(spec, 2, "bf16", tp=4)
+    layer4 = s * 2 * g.n_embd * (10 + 24 / 4 + 5 * g.n_head * s / (g.n_embd * 4))
+    assert a4["none"]["device"] == pytest.approx(g.n_layer * layer4 + s * 2 * 50688 / 4 * 10, rel=1e-12)
     assert activations.largest_micro_batch(100, 40, 7) == 8 and activations.largest_micro_batch(10, 40, 7) == 0
 
 

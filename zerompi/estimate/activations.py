@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+from ..parallel.tensor_parallel import padded_vocab_size
 from ..zero import gather_pool
 from .models import ModelSpec
 
@@ -39,7 +40,8 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, precision: str = "bf16",
     g = spec.gpt
     if g is None:
         return None
-    s, b, h, a, L, V, t = spec.seq, micro_batch, g.n_embd, g.n_head, g.n_layer, g.vocab_size, tp
+    s, b, h, a, L, t = spec.seq, micro_batch, g.n_embd, g.n_head, g.n_layer, tp
+    V = g.vocab_size if t == 1 else padded_vocab_size(g.vocab_size, t)  # a tp rank's logits: its padded share
     e = 4 if precision == "fp32" else 2
     layer = e / 2 * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     head = s * b * V / t * (e + 4 + (4 if e == 2 else 0))
