@@ -107,16 +107,19 @@ def run_torch(cfg, a, dev, profile: bool = False) -> dict:
     return rec
 
 
-def engine_config(a, stage: int, offload: bool = False, lr: float = 1e-4) -> dict:
-    return {"stage": stage, "precision": "bf16", "gradient_clipping": 1.0,
-            "optimizer": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
-            "comm": {"backend": a.backend}, "offload_optimizer": "cpu" if offload else "none"}
+def engine_config(a, stage: int, offload: bool = False, lr: float = 1e-4, slots: int | None = None) -> dict:
+    out = {"stage": stage, "precision": "bf16", "gradient_clipping": 1.0,
+           "optimizer": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
+           "comm": {"backend": a.backend}, "offload_optimizer": "cpu" if offload else "none"}
+    if slots is not None:
+        out["bucket_count"] = slots
+    return out
 
 
-def run_zerompi(cfg, a, dev, stage: int, profile: bool, offload: bool = False) -> dict:
+def run_zerompi(cfg, a, dev, stage: int, profile: bool, offload: bool = False, slots: int | None = None) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
-    engine = zerompi.initialize(model, engine_config(a, stage, offload))
+    engine = zerompi.initialize(model, engine_config(a, stage, offload, slots=slots))
 
     def step(x, y):
         _, loss = engine(x, y)
@@ -191,6 +194,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-stages", default="3", help='profile one step of each of these stages ("none")')
     ap.add_argument("--train-steps", type=int, default=0, help="a stage-2 run on the built-in corpus")
     ap.add_argument("--offload", action="store_true", help="also stage 2 with offload_optimizer = cpu")
+    ap.add_argument("--stage3-slots", type=int, default=None, metavar="K",
+                    help="also stage 3 with bucket_count K (profiled if stage 3 is): the reducer waits on "
+                         "the host for its oldest bucket once all slots are in flight, so this shows "
+                         "what that wait costs")
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -227,6 +234,9 @@ def main(argv=None) -> int:
     record("torch_plain", guarded("plain torch", lambda: run_torch(cfg, a, dev, bool(profiled))))
     for s in [] if a.stages == "none" else map(int, a.stages.split(",")):
         record(f"stage{s}", guarded(f"stage {s}", lambda: run_zerompi(cfg, a, dev, s, s in profiled)))
+    if a.stage3_slots is not None:
+        record(f"stage3_slots{a.stage3_slots}", guarded("stage 3 slots", lambda: run_zerompi(
+            cfg, a, dev, 3, 3 in profiled, slots=a.stage3_slots)))
     if a.offload:
         record("stage2_offload", guarded("stage 2 offload", lambda: run_zerompi(cfg, a, dev, 2, False, True)))
     if a.train_steps:

@@ -24,7 +24,8 @@
 #                    -n 4 where installed; every launch capped at 150 s
 #   6 e2e            (cap 120 s) e2e.json: GPT-2 124M, stages 0-3 vs plain torch, tokens/s,
 #                    MFU, peak memory, host- and device-side profiles of plain torch and
-#                    stages 0, 2, 3 (step_profile.py), a 60-step corpus run whose loss must fall
+#                    stages 0, 2, 3 (step_profile.py), stage 3 again with 8 bucket slots (the
+#                    reducer's host wait), a 60-step corpus run whose loss must fall
 #     train-cmd      (cap  60 s) `python -m zerompi.train` on 2 ranks, device auto, tiny
 #                    preset, 20 steps and a checkpoint (the log)
 #   7 build-tests    (cap  60 s) build_junit.xml: nvcc and NVRTC compile tests
@@ -202,7 +203,7 @@ e2e() {  # e2e NAME CAP OUTFILE GPU-ARGS... -- CPU-ARGS...
     fi
 }
 e2e e2e 120 "$OUT/e2e.json" --preset "$PRESET" --micro 8 --seq 1024 --train-steps 60 --profile-stages 0,2,3 \
-    -- --stages 0,3 --train-steps 30
+    --stage3-slots 8 -- --stages 0,3 --train-steps 30 --stage3-slots 8
 
 # 6b --------------------------------------------------------------- the main job
 # `python -m zerompi.train` as users run it: 2 ranks (on one GPU they share it), device

@@ -77,6 +77,7 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
     assert json.loads((out / "kernels_bench.json").read_text()) == {"skipped": "no CUDA device visible"}
     e2e = json.loads((out / "e2e.json").read_text())
     assert all(e2e[f"stage{s}"]["tokens_per_s"] > 0 for s in (0, 3)) and e2e["train"]["loss_fell"], e2e
+    assert e2e["stage3_slots8"]["tokens_per_s"] > 0 and "python_by_package" in e2e["stage3_slots8"]["profile"]
     assert "stage2_offload" in json.loads((out / "e2e_1b.json").read_text())
 
 
