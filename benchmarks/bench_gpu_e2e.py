@@ -37,12 +37,7 @@ import torch
 from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT, PRESETS, count_params  # noqa: E402
-from step_profile import profile_step  # noqa: E402
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)  # benchmark timing only, never inside the engine
+from step_profile import profile_step, sync  # noqa: E402
 
 
 def batches(cfg, micro: int, seq: int, dev, n: int, corpus=None):
@@ -87,6 +82,11 @@ def guarded(what: str, fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def profiled(step, cfg, a, dev) -> dict:
+    """step_profile.profile_step of `step` on one fresh batch of the run's shape."""
+    return profile_step(step, next(batches(cfg, a.micro, a.seq, dev, 1)), dev)
+
+
 def run_torch(cfg, a, dev, profile: bool = False) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
@@ -103,7 +103,7 @@ def run_torch(cfg, a, dev, profile: bool = False) -> dict:
         return loss
     rec = timed(step, cfg, a, dev)
     if profile:
-        rec["profile"] = profile_step(step, next(batches(cfg, a.micro, a.seq, dev, 1)), dev)
+        rec["profile"] = profiled(step, cfg, a, dev)
     return rec
 
 
@@ -130,7 +130,7 @@ def run_zerompi(cfg, a, dev, stage: int, profile: bool, offload: bool = False, s
     rec["optimizer"] = type(engine.optimizer).__name__
     rec["backend"] = type(engine.comm).__name__
     if profile:
-        rec["profile"] = profile_step(step, next(batches(cfg, a.micro, a.seq, dev, 1)), dev)
+        rec["profile"] = profiled(step, cfg, a, dev)
     del engine, model
     return rec
 

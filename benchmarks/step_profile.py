@@ -35,7 +35,7 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 POLLS = ("cudaEventQuery", "cudaStreamQuery")
 
 
-def _sync(dev: torch.device) -> None:
+def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)  # benchmark timing only, never inside the engine
 
@@ -95,31 +95,33 @@ def python_top(step, batch, steps: int = 5, top: int = 20) -> tuple[list[dict], 
 def profile_step(step, batch, dev: torch.device, top: int = 25) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    _sync(dev)
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(dev)
     with profile(activities=acts) as prof:
         step(*batch)
-        _sync(dev)
+        sync(dev)
     events = prof.events()
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     span = (max(e.time_range.end for e in cpu) - min(e.time_range.start for e in cpu)) if cpu else 0.0
     avg = prof.key_averages()
-    by_dev = sorted(avg, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    by_host = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     busy = _busy_us(events)
-    _sync(dev)
+
+    def rows(evs, key: str) -> list[dict]:
+        return [{"name": e.key, "calls": e.count, "self_us": getattr(e, key)} for e in evs]
+
+    by_dev = sorted(avg, key=lambda e: e.self_device_time_total, reverse=True)[:top] if cuda else []
     py_top, by_pkg = python_top(step, batch)
     return {
         "profiled_step_us": span,
         "device_busy_us": busy,
-        "device_busy": busy / span if span and dev.type == "cuda" else None,
-        "device_top": [{"name": e.key, "calls": e.count, "self_us": e.self_device_time_total}
-                       for e in by_dev if dev.type == "cuda"],
-        "host_top": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total} for e in by_host],
-        "host_waits": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total}
-                       for e in avg if e.key.startswith(WAITS) and "Async" not in e.key],
-        "host_polls": [{"name": e.key, "calls": e.count, "self_us": e.self_cpu_time_total}
-                       for e in avg if e.key.startswith(POLLS)],
+        "device_busy": busy / span if span and cuda else None,
+        "device_top": rows(by_dev, "self_device_time_total"),
+        "host_top": rows(sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:top],
+                         "self_cpu_time_total"),
+        "host_waits": rows([e for e in avg if e.key.startswith(WAITS) and "Async" not in e.key],
+                           "self_cpu_time_total"),
+        "host_polls": rows([e for e in avg if e.key.startswith(POLLS)], "self_cpu_time_total"),
         "python_top": py_top,
         "python_by_package": by_pkg,
     }

@@ -56,16 +56,16 @@ def estimate(stage: int, zcfg, dims) -> dict:
     """What `python -m zerompi.estimate --dry-run --tp` lays out for this rank (tp rank 0,
     dp rank 0): memory_report()'s terms, the padded T, the bucket buffers, stage 3's pool."""
     from zerompi.estimate.activations import comm_buffer_bytes, working_bytes
-    from zerompi.estimate.dryrun import DryRun, rank_state
+    from zerompi.estimate.dryrun import DryRun, rank_state, reduce_bytes
     from zerompi.estimate.models import from_shape
+    from zerompi.precision import DTYPES
 
     built = DryRun(from_shape("tp worker", GPT_CFG), zcfg, a.tp).build(dims.dp_size, stage)
     est = rank_state(built, stage, dims.dp_rank, a.precision, zcfg.grad_accum_dtype)
-    pbytes = 4 if a.precision == "fp32" else 2
     return {**{k: est[k] for k in ("params", "grads", "master", "optimizer", "model_states")},
             "padded_numel": built.layout.total,
-            "buffers": comm_buffer_bytes(built.layout, zcfg.bucket_count, 4 if zcfg.reduce_dtype == "fp32" else 2),
-            "gather_pool": working_bytes(built, stage, zcfg, pbytes)["gathered"]}
+            "buffers": comm_buffer_bytes(built.layout, zcfg.bucket_count, reduce_bytes(zcfg, a.precision)),
+            "gather_pool": working_bytes(built, stage, zcfg, DTYPES[a.precision].itemsize)["gathered"]}
 
 
 result = {"world": world.size, "tp": a.tp}

@@ -121,16 +121,19 @@ def placement(dps: Sequence[int], ranks_per_node: int | None = None, nodes: int 
     flag, v = ("--nodes", nodes) if nodes is not None else ("--ranks-per-node", ranks_per_node)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
-    if nodes is None and v % tp:
+    if nodes is not None:
+        bad = [n for n in dps if n % nodes]
+        if bad:
+            raise ValueError(f"--nodes {v}: must divide every N of --dp (not {bad[0]})")
+        return {n: n // nodes for n in dps}
+    if v % tp:
         raise ValueError(f"--ranks-per-node {v}: a node must hold whole tp groups of tp {tp} "
                          "(consecutive ranks share a tp group)")
-    per = v if nodes is not None else v // tp  # nodes K, else the group's ranks on a node
-    bad = [n for n in dps if n % per]
+    bad = [n for n in dps if n % (v // tp)]
     if bad:
-        raise ValueError(f"--nodes {v}: must divide every N of --dp (not {bad[0]})" if nodes is not None else
-                         f"--ranks-per-node {v} does not divide N = {bad[0]}"
+        raise ValueError(f"--ranks-per-node {v} does not divide N = {bad[0]}"
                          + (f" data-parallel ranks (x tp {tp})" if tp > 1 else ""))
-    return {n: n // nodes if nodes is not None else per for n in dps}
+    return {n: v // tp for n in dps}
 
 
 def with_mode(zcfg: ZeroConfig, shard_group=None, hierarchical: str | None = None, secondary_partition=None):

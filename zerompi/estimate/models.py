@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -83,17 +84,6 @@ def reshape(spec: ModelSpec, **changes) -> ModelSpec:
     return ModelSpec(spec.name, count_params(cfg), cfg, spec.seq_len)
 
 
-class _FirstTPRank:
-    """What parallelize() reads of a tp group while it splits the weights: its size and
-    this rank. Every tp rank's share has the same shapes (heads, MLP columns and padded
-    vocabulary rows split evenly; the rest replicated), so rank 0's stands for all."""
-
-    rank = 0
-
-    def __init__(self, size: int):
-        self.size = size
-
-
 def meta_model(spec: ModelSpec, tp: int = 1) -> torch.nn.Module:
     """The real GPT module with every parameter on the `meta` device (no storage), split
     for one tp rank as parallel/parallelize.py splits it when tp > 1 (a tp size the model
@@ -105,7 +95,9 @@ def meta_model(spec: ModelSpec, tp: int = 1) -> torch.nn.Module:
             if tp > 1:
                 from ..parallel.parallelize import parallelize
 
-                parallelize(model, _FirstTPRank(tp))
+                # parallelize reads only the group's size and rank while it splits; every
+                # tp rank's share has the same shapes, so rank 0's stands for all
+                parallelize(model, SimpleNamespace(size=tp, rank=0))
             return model
         m = torch.nn.Module()
         m.flat = torch.nn.Parameter(torch.empty(-(-spec.psi // tp)))
