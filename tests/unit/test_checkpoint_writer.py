@@ -65,4 +65,3 @@ def test_the_helper_never_imports_torch(tmp_path):
             assert "libtorch" not in f.read()
     finally:
         saver.close()
-
