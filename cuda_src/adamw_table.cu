@@ -8,6 +8,10 @@
 //   tiles[ntile][3]: segment, start within it, length (<= the host's tile size)
 // Per step, fp32 rows [nseg][9]: the eight AdamWArgs scalars, then 1 (update) or 0
 // (skip: a parameter that got no gradient this step).
+// coef (nullable, 2 fp32 on the device): the step's gradient coefficient and an overflow
+// flag, computed on the device from the gradient norm (zerompi/zero/step_coef.py). When
+// given, it replaces every row's grad_coef, and a nonzero flag skips the whole update
+// (as torch's fused AdamW with found_inf), so the host need not read the norm first.
 // One block per tile, grid-stride over tiles: any number and size of segments is
 // balanced, and no grid limit bites. Tile starts are multiples of 4, so a tile keeps
 // its segment's vector phase.
@@ -23,13 +27,14 @@ template <typename G, typename O>
 ZM_HD void adamw_tile(float* master, float* exp_avg, float* exp_avg_sq,
                       const typename G::storage* grad, typename O::storage* out,
                       const long long* segs, const long long* tiles, const float* rows,
-                      usize tile, usize thread, usize nthreads) {
+                      const float* coef, usize tile, usize thread, usize nthreads) {
   const long long* t = tiles + ZM_TILE_COLS * tile;
   const usize s = (usize)t[0], lo = (usize)t[1], n = (usize)t[2];
   const float* r = rows + ZM_ROW_COLS * s;
   if (r[8] == 0.0f) return;  // uniform over the block: no divergence
+  if (coef && coef[1] != 0.0f) return;  // overflow: the step is skipped (uniform too)
   const long long* sg = segs + ZM_SEG_COLS * s;
-  const AdamWArgs a = {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
+  const AdamWArgs a = {coef ? coef[0] : r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
   const usize mo = (usize)sg[3] + lo;
   adamw_range<G, O>(master + ((usize)sg[1] + lo), exp_avg + mo, exp_avg_sq + mo,
                     grad + ((usize)sg[2] + lo),
@@ -41,10 +46,10 @@ ZM_HD void adamw_tile(float* master, float* exp_avg, float* exp_avg_sq,
   extern "C" __global__ void NAME(                                                   \
       float* master, float* exp_avg, float* exp_avg_sq, const G::storage* grad,      \
       O::storage* out, const long long* segs, const long long* tiles,                \
-      long long ntiles, const float* rows) {                                         \
+      long long ntiles, const float* rows, const float* coef) {                      \
     for (usize t = blockIdx.x; t < (usize)ntiles; t += gridDim.x)                    \
-      adamw_tile<G, O>(master, exp_avg, exp_avg_sq, grad, out, segs, tiles, rows, t, \
-                       threadIdx.x, blockDim.x);                                     \
+      adamw_tile<G, O>(master, exp_avg, exp_avg_sq, grad, out, segs, tiles, rows,    \
+                       coef, t, threadIdx.x, blockDim.x);                            \
   }
 
 ZM_ADAMW_DTYPE_PAIRS(ZM_ADAMW_TABLE_KERNEL, adamw_table)

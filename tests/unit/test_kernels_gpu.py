@@ -135,16 +135,18 @@ def test_gpu_adamw_table_matches_reference(gtag):
     cp = _cupy()
     rng = np.random.default_rng(43)
     for otag in ("none", "bf16", "f16"):
-        for tile, offs in ((64, (0,) * 5), (8, (1, 3, 2, 1, 3)), (8192, (0,) * 5)):
+        # the device coefficient: none, one that replaces the rows' grad_coef, an overflow
+        coefs = (None, np.array([0.37, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
+        for (tile, offs), coef in zip(((64, (0,) * 5), (8, (1, 3, 2, 1, 3)), (8192, (0,) * 5)), coefs):
             table, rows, bufs = table_inputs(rng, gtag, otag, tile=tile)
             dev, segs, tiles, drows = _table_on_device(cp, table, rows, bufs, offs)
             kt.adamw_table_step(dev["master"], dev["exp_avg"], dev["exp_avg_sq"], dev["grad"],
-                                dev["out"], segs, tiles, drows)
+                                dev["out"], segs, tiles, drows, None if coef is None else cp.asarray(coef))
             kt.adamw_table_reference(bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"],
-                                     bufs["grad"], bufs["out"], table, rows)
+                                     bufs["grad"], bufs["out"], table, rows, coef=coef)
             for name, want in bufs.items():
                 if want is not None:
-                    assert_same(dev[name].get(), want, f"{gtag}->{otag} tile={tile} {name}")
+                    assert_same(dev[name].get(), want, f"{gtag}->{otag} tile={tile} {name} coef={coef}")
 
 
 @pytest.mark.parametrize("tag", TAGS)

@@ -57,13 +57,15 @@ template <class G, class O> static int adamw(char** a) {
   Buf g(d + "/grad.bin", sizeof(typename G::storage), atoi(a[6]));
   Buf o(d + "/out.bin", 2, atoi(a[7]));
   Buf segs(d + "/segs.bin", 8, 0), tiles(d + "/tiles.bin", 8, 0), rows(d + "/rows.bin", 4, 0);
+  Buf coef(d + "/coef.bin", 4, 0);  // empty file: no device coefficient
   usize ntiles = tiles.n / (8 * ZM_TILE_COLS);
   for (usize b = 0; b < B; ++b)
     for (usize tile = b; tile < ntiles; tile += B)
       for (usize t = 0; t < T; ++t)
         adamw_tile<G, O>((float*)p.p, (float*)m.p, (float*)v.p, (const typename G::storage*)g.p,
                          O::present ? (typename O::storage*)o.p : 0, (const long long*)segs.p,
-                         (const long long*)tiles.p, (const float*)rows.p, tile, t, T);
+                         (const long long*)tiles.p, (const float*)rows.p,
+                         coef.n ? (const float*)coef.p : 0, tile, t, T);
   dump(d + "/master.out", p.p, p.n); dump(d + "/exp_avg.out", m.p, m.n);
   dump(d + "/exp_avg_sq.out", v.p, v.n); dump(d + "/out.out", o.p, o.n);
   return 0;
@@ -138,20 +140,31 @@ def _write(d, table, bufs, extra=()):
 LAUNCHES = [(3, 32, (0, 0, 0, 0, 0)), (1, 7, (1, 1, 1, 1, 1)), (50, 64, (0, 3, 1, 2, 3))]
 
 
+# the device coefficient: none (the rows' grad_coef), one that replaces it, an overflow
+COEFS = (None, np.array([0.37, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
+
+
 @pytest.mark.parametrize("gtag", TAGS)
 def test_host_adamw_table_matches_reference(harness, gtag, tmp_path):
     rng = np.random.default_rng(41)
     for otag in ("none", "bf16", "f16"):
-        for tile, (blocks, threads, offs) in zip((64, 8, 8192), LAUNCHES):
+        for tile, (blocks, threads, offs), coef in zip((64, 8, 8192), LAUNCHES, COEFS):
             table, rows, bufs = table_inputs(rng, gtag, otag, tile=tile)
             assert table.ntiles > blocks or tile == 8192
-            _write(tmp_path, table, bufs, [("rows", rows)])
+            _write(tmp_path, table, bufs, [("rows", rows), ("coef", coef)])
             subprocess.run([harness, "adamw", gtag, otag, str(tmp_path), str(blocks), str(threads),
                             *map(str, offs)], check=True)
             want = {k: (None if a is None else a.copy()) for k, a in bufs.items()}
             kt.adamw_table_reference(want["master"], want["exp_avg"], want["exp_avg_sq"],
-                                     want["grad"], want["out"], table, rows)
-            what = f"{gtag}->{otag} tile={tile}"
+                                     want["grad"], want["out"], table, rows, coef=coef)
+            if coef is not None and coef[1]:  # an overflowed step changes nothing
+                assert all(a is None or want[k].tobytes() == a.tobytes() for k, a in bufs.items())
+            elif coef is not None:  # the coefficient is used (not the rows')
+                ref = {k: (None if a is None else a.copy()) for k, a in bufs.items()}
+                kt.adamw_table_reference(ref["master"], ref["exp_avg"], ref["exp_avg_sq"],
+                                         ref["grad"], ref["out"], table, rows)
+                assert ref["master"].tobytes() != want["master"].tobytes()
+            what = f"{gtag}->{otag} tile={tile} coef={coef}"
             for name in ("master", "exp_avg", "exp_avg_sq", "out"):
                 if want[name] is not None:
                     got = np.fromfile(tmp_path / f"{name}.out", want[name].dtype)

@@ -33,8 +33,16 @@ def test_engine_buffers_are_on_its_placement():
         assert str(eng.state.placement) == "host"
         dev = eng.state.placement.device
         assert all(t.device == dev for t in eng.state.buffers().values())
-        slots = eng.reducer.slots_free
-        assert slots and all(t.device == dev for s in slots for t in (s.bucket, s.recv, s.scratch))
+        assert eng.reducer.local and eng.reducer.slots_free == []  # alone: no buckets
+    # over 2 ranks the reducer's buckets come through the placement too ('meta': see above)
+    from zerompi.zero.grads import SCATTER_PER_BUCKET, GradReducer
+
+    params = [torch.nn.Parameter(torch.zeros(100, device="meta")), torch.nn.Parameter(torch.zeros(7, device="meta"))]
+    layout = FlatLayout([100, 7], world=2, block=48, align=4)
+    st = ShardState(layout, layout.chunks(1), Placement.of("meta"), torch.bfloat16, torch.bfloat16,
+                    replicated=True, full_grads=False)
+    slots = GradReducer(params, layout, None, SCATTER_PER_BUCKET, st, 2, torch.float32).slots_free
+    assert slots and all(t.device.type == "meta" for s in slots for t in (s.bucket, s.recv, s.scratch))
 
 
 def test_placement_rules():

@@ -39,8 +39,7 @@ for stage, prec, gdt, gas in cases:
     out.append({**extra, "stage": stage, "precision": prec, "grad_accum_dtype": gdt, "gas": gas,
                 "updated": eng.global_steps == 2, "mem": after, "mem_before_step": during,
                 "comm": eng.comm_stats(), "num_params": len(eng.params),
-                "loose_grad_params": sum(p.grad is not None for p in eng.params
-                                         if eng.state.flat_grad is None)})
+                "loose_grad_bytes": eng.reducer.loose_grad_bytes()})
     del eng, model
 if rank == 0:
     json.dump({"world": N, "bucket": a.bucket, "cases": out}, open(a.out, "w"))

@@ -28,7 +28,7 @@ from ..zero import layout as zlayout
 from ..zero.layout import PARTS
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
-from .activations import comm_buffer_bytes
+from .activations import alone, comm_buffer_bytes
 from .memory import model_states
 from .models import ModelSpec, meta_model
 
@@ -158,6 +158,8 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
     size: op, elements per collective, per-rank chunk, bytes, count per step, and the
     elements per step in comm_stats()'s convention (all-reduce of n counts 2n)."""
     layout, n, g = built.layout, built.layout.world, built.layout.replicas
+    if alone(layout):  # one data-parallel rank: nothing to reduce, gather or agree on
+        return []
     pbytes, rbytes = DTYPES[precision].itemsize, reduce_bytes(zcfg, precision)
     sizes = [e - s for s, e in layout.blocks]
     all_blocks = Counter(sizes)
@@ -213,6 +215,9 @@ def collective_summary(rows: list[dict]) -> dict:
             if d["smallest_chunk_elements"] is None or r["chunk_elements"] < d["smallest_chunk_elements"]:
                 d["smallest_chunk_elements"] = r["chunk_elements"]
     bucket_rows = [r for r in rows if not r["scalars"]]
+    if not bucket_rows:  # one rank: no collectives
+        return {"by_op": by_op, "collectives": 0, "smallest_chunk_elements": 0, "smallest_chunk_bytes": 0,
+                "smallest_chunk_op": None, "largest_chunk_elements": 0}
     smallest = min(bucket_rows, key=lambda r: r["chunk_elements"] * r["element_bytes"])
     return {"by_op": by_op, "collectives": sum(d["count"] for d in by_op.values()),
             "smallest_chunk_elements": min(r["chunk_elements"] for r in bucket_rows),

@@ -98,9 +98,13 @@ def step_row(scalars: dict | None) -> np.ndarray:
 # ------------------------------------------------------------------ references
 
 def adamw_table_reference(master, exp_avg, exp_avg_sq, grad, out, table: Table, rows, *,
-                          fma=True, sqrt=np.sqrt) -> None:
+                          coef=None, fma=True, sqrt=np.sqrt) -> None:
     """The table kernel on numpy base buffers, in place. ``out``: None, float16 or uint16
-    (bf16 bits). fma/sqrt as adamw_reference (for comparisons with torch on the CPU)."""
+    (bf16 bits). ``coef``: None or float32 [grad_coef, skip] (the device coefficient:
+    replaces every row's grad_coef; skip != 0 leaves everything unchanged). fma/sqrt as
+    adamw_reference (for comparisons with torch on the CPU)."""
+    if coef is not None and coef[1] != 0:
+        return
     out_tag = None if out is None else _loader.dtype_tag(out.dtype)
     for k in range(table.nseg):
         row = rows[k]
@@ -108,6 +112,8 @@ def adamw_table_reference(master, exp_avg, exp_avg_sq, grad, out, table: Table, 
             continue
         n, mo, go, vo, oo = (int(x) for x in table.segs[k])
         s = dict(zip(SCALAR_KEYS, row[:8]))
+        if coef is not None:
+            s["grad_coef"] = np.float32(coef[0])
         low = adamw_apply(master[mo:mo + n], exp_avg[vo:vo + n], exp_avg_sq[vo:vo + n],
                           grad[go:go + n], s, out_tag, fma=fma, sqrt=sqrt)
         if low is not None:
@@ -152,10 +158,11 @@ def _check_table_array(name, a, dtype, dev):
         raise ValueError(f"{name} is on device {a.device.id}, the buffers on device {dev}")
 
 
-def adamw_table_step(master, exp_avg, exp_avg_sq, grad, out, segs, tiles, rows) -> None:
+def adamw_table_step(master, exp_avg, exp_avg_sq, grad, out, segs, tiles, rows, coef=None) -> None:
     """Launch the table AdamW on cupy base buffers (master/exp_avg/exp_avg_sq float32;
     grad float32/float16/bf16 bits; out None/float16/bf16 bits) on the current stream.
-    segs/tiles: a Table's arrays on the device; rows: float32 (nseg, 9) on the device.
+    segs/tiles: a Table's arrays on the device; rows: float32 (nseg, 9) on the device;
+    coef: None or float32 [grad_coef, skip] on the device (adamw_table_reference).
     The offsets are not checked here: check_bounds before uploading a table."""
     gt, ot, named = check_adamw_arrays(master, exp_avg, exp_avg_sq, grad, out)
     dev = master.device.id
@@ -163,16 +170,21 @@ def adamw_table_step(master, exp_avg, exp_avg_sq, grad, out, segs, tiles, rows) 
         if a.device.id != dev:
             raise ValueError(f"{name} is on device {a.device.id} but master is on device {dev}")
     _loader.check_no_overlap(named)
-    for name, a, dt in (("segs", segs, np.int64), ("tiles", tiles, np.int64),
-                        ("rows", rows, np.float32)):
+    checks = [("segs", segs, np.int64), ("tiles", tiles, np.int64), ("rows", rows, np.float32)]
+    if coef is not None:
+        checks.append(("coef", coef, np.float32))
+        if coef.size != 2:
+            raise ValueError(f"coef has {coef.size} elements, expected 2 (grad_coef, skip)")
+    for name, a, dt in checks:
         _check_table_array(name, a, dt, dev)
     ntiles = tiles.shape[0]
     if ntiles == 0:
         return
     out_arg = out if out is not None else np.uint64(0)  # NULL, unused
+    coef_arg = coef if coef is not None else np.uint64(0)  # NULL: the rows' grad_coef
     _loader.launch(SOURCE, f"adamw_table_{gt}_{ot}", dev, ntiles,
                    (master, exp_avg, exp_avg_sq, grad, out_arg, segs, tiles,
-                    np.int64(ntiles), rows),
+                    np.int64(ntiles), rows, coef_arg),
                    blocks=min(ntiles, MAX_BLOCKS), threads=ADAMW_THREADS)
 
 

@@ -132,6 +132,13 @@ class ShardedAdamW:
             if used is None or used[i]:
                 self.steps[i] += 1
 
+    def uncount_steps(self, used: Sequence[bool] | None) -> None:
+        """Take back _count_steps: an update issued on the device that skipped itself
+        (a non-finite gradient, zero/step_coef.py) did not happen."""
+        for i in range(len(self.steps)):
+            if used is None or used[i]:
+                self.steps[i] -= 1
+
     @property
     def views(self) -> list:
         """Per segment: (master, stored gradient, exp_avg, exp_avg_sq, low-precision copy)."""

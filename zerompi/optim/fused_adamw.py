@@ -62,9 +62,16 @@ class FusedShardAdamW(ShardedAdamW):
         self.executor = executor
         executor.bind(bufs, self.table)
 
-    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
+    # the engine may pass the step's coefficient as a device tensor (zero/step_coef.py)
+    takes_device_coef = True
+
+    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None,
+             device_coef: torch.Tensor | None = None) -> None:
+        """device_coef: float32 [grad_coef, skip] where the state lives; it replaces
+        grad_coef, and skip != 0 leaves the state unchanged (the step counts still
+        advance: the engine takes them back when it reads the skip)."""
         self._count_steps(used)
-        self.executor.adamw(self.step_rows(grad_coef, used))
+        self.executor.adamw(self.step_rows(grad_coef, used), device_coef)
 
     def step_rows(self, grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:
         """This step's fp32 scalar rows (nseg, 9), for the counts already advanced:
@@ -120,10 +127,11 @@ class NumpyExecutor:
         self.a = {k: _host_array(v) for k, v in bufs.items()}
         self.table = table
 
-    def adamw(self, rows: np.ndarray) -> None:
+    def adamw(self, rows: np.ndarray, coef: torch.Tensor | None = None) -> None:
         a = self.a
         kt.adamw_table_reference(a["master"], a["exp_avg"], a["exp_avg_sq"], a["grad"], a["out"],
-                                 self.table, rows, fma=self.fma, sqrt=self.sqrt)
+                                 self.table, rows, coef=None if coef is None else coef.numpy(),
+                                 fma=self.fma, sqrt=self.sqrt)
 
     def grad_sq_norm(self, weights: np.ndarray) -> torch.Tensor:
         s, _ = kt.grad_stats_table_reference(self.a["grad"], self.table, weights)
@@ -185,12 +193,13 @@ class CupyExecutor:
             t = t.view(torch.int16)
         return self.cupy.from_dlpack(t)
 
-    def adamw(self, rows: np.ndarray) -> None:
+    def adamw(self, rows: np.ndarray, coef: torch.Tensor | None = None) -> None:
         with torch.cuda.device(self.dev_id), self.cupy.cuda.Device(self.dev_id), self._stream():
             self.rows(rows)
             a = self.a
             kt.adamw_table_step(a["master"], a["exp_avg"], a["exp_avg_sq"], a["grad"], a["out"],
-                                self.segs, self.tiles, self.rows_cp)
+                                self.segs, self.tiles, self.rows_cp,
+                                None if coef is None else self.cupy.from_dlpack(coef.contiguous()))
 
     def grad_sq_norm(self, weights: np.ndarray) -> torch.Tensor:
         with torch.cuda.device(self.dev_id), self.cupy.cuda.Device(self.dev_id), self._stream():

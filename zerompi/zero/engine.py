@@ -17,7 +17,6 @@ Memory per rank and one step as data: docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Sequence
 
 import torch
@@ -27,63 +26,15 @@ from .. import config as config_mod
 from .. import runtime
 from ..runtime import watchdog
 from ..config import ZeroConfig
-from ..device import Placement
-from ..optim import ShardedAdamW, build_groups, build_segments, host_fused
+from ..optim import build_groups, build_segments
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
-from . import flat, grads, load_full, state_io
+from . import build, flat, grads, load_full, state_io, step_coef
 from . import groups as groups_mod
 from . import layout as layout_mod
 from .layout import PARTS
 from .params import sync_untracked
-from .state import ShardState
 from .tensor_parallel_state import TPGrads, assemble_full
-
-
-def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return list(model.named_parameters(remove_duplicate=True))
-
-
-def _placement(named: list) -> Placement:
-    devices = {p.device for _, p in named if p.device.type != "meta"}
-    if len(devices) > 1:
-        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
-                         "move the whole model to one device first")
-    dev = devices.pop() if devices else torch.device("cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"parameters on {dev}: zerompi trains on cpu or cuda devices")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return Placement(dev)
-
-
-def _check_dims_device(dims, placement: Placement) -> None:
-    """GPU tensors need communicators that move them; the grid is built per device."""
-    if placement.is_cuda and not dims.dp.carries_gpu_tensors:
-        raise ValueError(f"the model is on {placement.device} but the process grid's communicators "
-                         "move host tensors only: build it with ParallelDims.from_config(config, "
-                         "device=...) or let initialize() build it (dims=None)")
-
-
-def _optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str):
-    """zero.optimizer.implementation: the table-driven fused kernels (one launch per
-    step for the shard; on the host their numpy references) or torch ops per segment.
-    Offloaded, fused means torch's fused CPU AdamW (the default with a GPU model)."""
-    if state.offload:
-        if (impl == "fused" or (impl == "auto" and state.placement.is_cuda)) and host_fused.available():
-            return host_fused.HostFusedAdamW(segments, state.views, groups, n)
-        return ShardedAdamW(segments, state.views, groups, n)
-    if impl == "auto" and state.placement.is_cuda:
-        try:
-            import cupy  # noqa: F401
-            impl = "fused"
-        except ImportError:
-            pass
-    if impl == "fused":
-        from ..optim.fused_adamw import FusedShardAdamW
-
-        return FusedShardAdamW(segments, state, groups, n)
-    return ShardedAdamW(segments, state.views, groups, n)
 
 
 class ZeroEngine:
@@ -91,12 +42,12 @@ class ZeroEngine:
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
         runtime.fix_mmap_threshold()  # ZEROMPI_MALLOC=return: less RSS, slower steps (runtime/malloc.py)
-        named = _unique_params(model)
-        placement = _placement(named)  # the model's device: every buffer of state lives there
+        named = build.unique_params(model)
+        placement = build.placement_of(named)  # the model's device: every buffer of state lives there
         if dims is None:
             from ..parallel import ParallelDims
             dims = ParallelDims.from_config(cfg, device=placement.device if placement.is_cuda else None)
-        _check_dims_device(dims, placement)
+        build.check_dims_device(dims, placement)
         self.dims, self.comm = dims, dims.dp  # ZeRO partitions over the data-parallel group
         self.module = model
         self.rank, self.world = self.comm.rank, self.comm.size
@@ -131,22 +82,28 @@ class ZeroEngine:
         ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
-        self.optimizer = _optimizer(build_segments(layout, own, group_of), self.state, groups,
+        self.optimizer = build.optimizer(build_segments(layout, own, group_of), self.state, groups,
                                     len(self.params), cfg.optimizer.implementation)
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
         self.reducer = grads.GradReducer(self.params, layout, sg.reduce, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype),
-                                         poll=self.param_store.serve)
+                                         poll=self.param_store.serve, local=self.world == 1)
         if self.param_store.serve is not None and dims.tp.size > 1:
             # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may
             # need this rank in a stage-3 round first (a cycle over dp x tp otherwise)
             dims.tp.set_idle(self.param_store.serve)
         self.micro_steps = 0      # engine.step() calls
-        self.global_steps = 0     # optimizer updates applied
-        self.skipped_steps = 0    # fp16 overflow skips
-        self.last_grad_norm: float | None = None
+        self._global_steps = 0    # optimizer updates applied
+        self._skipped_steps = 0   # non-finite (fp16: overflow) skips
+        self._last_grad_norm: float | None = None
+        # On a GPU with a static loss scale (bf16/fp32) and the fused optimizer, the step's
+        # norm and overflow stay on the device and are read a step later (step_coef.py):
+        # no host wait for the device in a step. fp16 needs the overflow now (the scale).
+        self.defer_stats = (placement.is_cuda and cfg.precision != "fp16"
+                            and getattr(self.optimizer, "takes_device_coef", False))
+        self._pending: step_coef.Pending | None = None
         self._backward_pending = False
         self._state_fence = None  # an asynchronous checkpoint still copying the state (checkpoint/staging.py)
         runtime.seed_everything(cfg.seed, self.rank)
@@ -165,6 +122,34 @@ class ZeroEngine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    # Counters that a step decided on the device changes once the host has read it: each
+    # read settles the pending step first (a wait for the device only if it is behind).
+    @property
+    def global_steps(self) -> int:
+        self.settle()
+        return self._global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.settle()
+        self._global_steps = value
+
+    @property
+    def skipped_steps(self) -> int:
+        self.settle()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.settle()
+        self._skipped_steps = value
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last update (inf: it was skipped)."""
+        self.settle()
+        return self._last_grad_norm
 
     def __call__(self, *args, **kwargs):
         if self.mixed:
@@ -216,7 +201,9 @@ class ZeroEngine:
         self.reducer.end()  # sync: waits for the last buckets' reductions
 
     def step(self) -> bool:
-        """Count one micro-step; at the accumulation boundary update. True if updated."""
+        """Count one micro-step; at the accumulation boundary update. True if an update
+        was made (with defer_stats: issued; a non-finite gradient found when the host
+        reads the step, at the next step or counter read, makes it a skip after all)."""
         if not self._backward_pending:
             raise RuntimeError("engine.step() called without engine.backward() for this micro-batch")
         self._backward_pending = False
@@ -224,35 +211,56 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return False
-        scale = self.scaler.scale
+        self.settle()  # the previous step's skip changes this step's counts
         if self.state.offload:
             self.state.offload_grads()  # sync (GPU): device -> host before the host update
         self.tp_grads.average_replicated()  # sync (tp > 1): replicas of norms/biases stay equal
         sumsq, used = self._grad_stats()
-        overflow = not math.isfinite(sumsq)
+        coef, host_vals = step_coef.coefficient(sumsq, self.scaler.scale, self.reducer.unapplied,
+                                                self.config.gradient_clipping)
+        self._pending = step_coef.Pending(host_vals, self.micro_steps // self.gradient_accumulation_steps,
+                                          used)
+        self._global_steps += 1
+        if self.defer_stats:
+            self._fence_state()
+            self.optimizer.step(used=used, device_coef=coef)
+            self.param_store.after_update()  # sync: all-gather of the updated chunks
+            self._zero_grads()
+            return True
+        # sync (GPU): the host reads the norm now, for the overflow/clip decision
+        with watchdog.waiting("device sync (gradient norm)"):
+            norm, overflow, grad_coef = self._pending.read()
+        if self._settle_read(norm, overflow, issued=False):
+            self._fence_state()
+            self.optimizer.step(grad_coef=grad_coef, used=used)
+            self.param_store.after_update()  # sync: all-gather of the updated chunks
+        self._zero_grads()
+        return not overflow
+
+    def settle(self) -> None:
+        """Read the last step's norm and skip, if not read yet (defer_stats: that step's
+        update was issued on the device before the host knew them)."""
+        if self._pending is not None:
+            with watchdog.waiting("device sync (gradient norm of the last step)"):
+                norm, overflow, _ = self._pending.read()
+            self._settle_read(norm, overflow, issued=True)
+
+    def _settle_read(self, norm: float, overflow: bool, issued: bool) -> bool:
+        """The host's bookkeeping of the pending step; True if it updates. A skipped step
+        whose update was issued (the kernel skipped it) gives back its step counts."""
+        p, self._pending = self._pending, None
+        scale = self.scaler.scale
         self.scaler.update(overflow)  # fp16: raises Diverged at min_scale
         # Logs every skip with its step; raises Diverged on every rank together.
-        self.nonfinite.record(self.micro_steps // self.gradient_accumulation_steps, not overflow,
-                              scale, self.scaler.scale)
+        self.nonfinite.record(p.step, not overflow, scale, self.scaler.scale)
         if overflow:
-            self.skipped_steps += 1
-            self.last_grad_norm = float("inf")
-            self._zero_grads()
+            self._skipped_steps += 1
+            self._global_steps -= 1
+            self._last_grad_norm = float("inf")
+            if issued:
+                self.optimizer.uncount_steps(p.used)
             return False
-        norm = math.sqrt(sumsq) / scale
-        self.last_grad_norm = norm
-        coef = 1.0 / scale
-        clip = self.config.gradient_clipping
-        if clip > 0:
-            # as torch.nn.utils.clip_grad_norm_: coefficient max/(norm+1e-6), clamped to 1
-            clip_coef = clip / (norm + 1e-6)
-            if clip_coef < 1.0:
-                coef = float(torch.tensor(clip_coef, dtype=torch.float32)) * coef
-        self._fence_state()
-        self.optimizer.step(grad_coef=coef, used=used)
-        self.param_store.after_update()  # sync: all-gather of the updated chunks
-        self._zero_grads()
-        self.global_steps += 1
+        self._last_grad_norm = norm
         return True
 
     def _fence_state(self) -> None:
@@ -262,28 +270,35 @@ class ZeroEngine:
         if fence is not None:
             fence()
 
-    def _grad_stats(self) -> tuple[float, list[bool]]:
-        """Squared L2 norm of the (still loss-scaled) gradient over all ranks (float64),
-        and which parameters got a gradient on any rank: one small all-reduce (over
-        dp x tp: a tp rank's split parameters are distinct, replicas count once)."""
-        # sync (GPU): the step's one host wait, for the overflow/clip decision below; under
-        # the watchdog, since an NCCL collective stuck on a dead peer would block it for good
-        norm_sq = self.optimizer.grad_sq_norm(self.tp_grads.weights)
+    def _grad_stats(self) -> tuple[torch.Tensor, list[bool]]:
+        """Squared L2 norm of the stored (loss-scaled) gradient over all ranks, as a 0-d
+        float64 tensor where the state lives, and which parameters got a gradient on any
+        rank (over dp x tp: a tp rank's split parameters are distinct, replicas count
+        once). Alone: no communication at all."""
+        norm_sq = self.optimizer.grad_sq_norm(self.tp_grads.weights).reshape(1)
+        comm = self.comm if self.dims.tp_size == 1 else self.dims.world
+        if comm.size == 1:
+            return norm_sq, [v > 0 for v in self.reducer.used]
+        if self.parts.owns_all:
+            norm_sq = norm_sq / self.world  # every rank holds the whole reduced gradient
+        elif self.groups.replicas > 1:
+            norm_sq = norm_sq / self.groups.replicas  # each shard is held by every replica group
+        if norm_sq.is_cuda and comm.carries_gpu_tensors:
+            # the norm on the device (no host wait); which parameters were used on the host
+            comm.all_reduce(norm_sq)
+            used = comm.allreduce_scalars(self.reducer.used)
+            return norm_sq, [v > 0 for v in used]
+        # sync (GPU with host-only groups): both in one float64 all-reduce on the host
         with watchdog.waiting("device sync (gradient norm)"):
             local = float(norm_sq)
-        if self.parts.owns_all:
-            local /= self.world  # every rank holds the whole reduced gradient
-        else:
-            local /= self.groups.replicas  # each shard is held by every replica group
-        # sync: one float64 all-reduce; every rank decides overflow/clipping identically
-        comm = self.comm if self.dims.tp_size == 1 else self.dims.world
         vals = comm.allreduce_scalars([local] + self.reducer.used)
-        return vals[0], [v > 0 for v in vals[1:]]
+        sumsq = torch.tensor([vals[0]], dtype=torch.float64, device=self.state.placement.device)
+        return sumsq, [v > 0 for v in vals[1:]]
 
     def _zero_grads(self) -> None:
         self.reducer.used = [0.0] * len(self.params)
         self.state.zero_grads()
-        if self.state.flat_grad is not None:
+        if self.reducer.attaches:
             self.reducer.attach_grads()
         else:
             for p in self.params:
@@ -301,7 +316,7 @@ class ZeroEngine:
         if not (all_ranks or self.dims.rank == 0):
             return {}
         return {name: tracked[name] if name in tracked else p.detach().float().clone()
-                for name, p in _unique_params(self.module)}
+                for name, p in build.unique_params(self.module)}
 
     def materialized_params(self) -> list[str]:
         """Names of trainable parameters whose full values exist on this rank now."""
@@ -325,8 +340,7 @@ class ZeroEngine:
         rep.update(self.param_store.memory_extra())
         rep.update(activations.memory_report(self.activations))  # peak kept checkpoint bytes (or arena)
         # Gradients autograd holds outside our buffers right now (between hooks).
-        rep["loose_grads"] = sum(flat.nbytes(p.grad) for p in self.params
-                                 if p.grad is not None and self.state.flat_grad is None)
+        rep["loose_grads"] = self.reducer.loose_grad_bytes()
         rep["numel"] = sum(self.layout.numels)
         rep["padded_numel"] = self.layout.total
         return rep

@@ -14,6 +14,12 @@ became complete there is then recorded, rank 0's version is adopted by all ranks
 used from then on (so a module unused in every step no longer holds back the buckets
 behind it). At most `bucket_count` buckets exist; when all are in flight the oldest is
 completed first.
+
+Alone (a data-parallel group of one rank, `local`): there is nothing to reduce and the
+state's gradient buffer already has the flat layout (one rank owns every block whole), so
+autograd accumulates straight into it (views as .grad where the dtypes agree) and no
+bucket, copy or collective exists. The 1 / contributions factor the buckets would have
+applied is left to the optimizer's coefficient (`unapplied`).
 """
 from __future__ import annotations
 
@@ -54,7 +60,7 @@ class GradReducer:
 
     def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, comm, mode: str,
                  state: ShardState, bucket_count: int, reduce_dtype: torch.dtype,
-                 poll: "Callable[[], None] | None" = None):
+                 poll: "Callable[[], None] | None" = None, local: bool = False):
         if mode not in MODES:
             raise ValueError(f"gradient reduction {mode!r}: one of {MODES}")
         self.params, self.layout, self.comm, self.mode = list(params), layout, comm, mode
@@ -63,19 +69,27 @@ class GradReducer:
         self.grad_shard = state.grad_shard
         if (flat_grad is None) != (mode == SCATTER_PER_BUCKET):
             raise ValueError(f"gradient reduction {mode!r} does not match the state's gradient buffers")
+        if local and (layout.world != 1 or layout.replicas != 1):
+            raise ValueError("local gradients need a layout over one rank")
+        self.local = local
+        self.unapplied = 1.0  # local: the pre_scale the optimizer's coefficient must apply
         nb = len(layout.blocks)
         self.block_params = [sorted({pc.index for pc in layout.pieces(s, e)}) for s, e in layout.blocks]
         self.param_blocks = [layout.param_blocks(i) for i in range(len(self.params))]
+        # where gradients accumulate in place: the full buffer, or (local) the shard,
+        # which over one rank is laid out as the flat space
+        acc = flat_grad if flat_grad is not None else (self.grad_shard if local else None)
+        self.acc = acc
         self.grad_views = None
-        if flat_grad is not None:
-            self.grad_views = [flat_grad[o:o + n].view(p.shape)
+        if acc is not None:
+            self.grad_views = [acc[o:o + n].view(p.shape)
                                for p, o, n in zip(self.params, layout.offsets, layout.numels)]
         B = max(e - s for s, e in layout.blocks)
         c = B // layout.world
         new = lambda n: state.placement.empty(n, reduce_dtype)  # noqa: E731
         # Constant-size communication buffers (ZeRO-R CB): independent of the model size.
-        self.slots_free = [_Slot(new(B), new(c), new(B if layout.world > 1 else 0))
-                           for _ in range(min(bucket_count, nb))]
+        self.slots_free = [] if local else [_Slot(new(B), new(c), new(B if layout.world > 1 else 0))
+                                            for _ in range(min(bucket_count, nb))]
         self.inflight: deque = deque()
         self.active = False
         self.used = [0.0] * len(self.params)  # got a gradient since the last step()
@@ -95,20 +109,37 @@ class GradReducer:
         slots = self.slots_free + [s for _, _, s in self.inflight]
         return sum(t.numel() * t.element_size() for s in slots for t in (s.bucket, s.recv, s.scratch))
 
+    @property
+    def attaches(self) -> bool:
+        """Gradients accumulate in place across micro-steps (stages 0-1, or local)."""
+        return self.grad_views is not None
+
     def attach_grads(self) -> None:
-        """Stage 0/1 with param-dtype storage: autograd accumulates straight into flat_grad."""
-        if self.grad_views is not None and self.flat_grad.dtype == self.params[0].dtype:
+        """Param-dtype storage: autograd accumulates straight into the buffer (stage 0/1's
+        flat_grad, or the local shard); otherwise each .grad is folded in by the hook."""
+        if self.grad_views is not None and self.acc.dtype == self.params[0].dtype:
             for p, v in zip(self.params, self.grad_views):
                 p.grad = v
+        elif self.grad_views is not None:
+            for p in self.params:
+                p.grad = None
+
+    def loose_grad_bytes(self) -> int:
+        """Bytes of .grad tensors autograd holds outside our buffers right now."""
+        views = self.grad_views or [None] * len(self.params)
+        return sum(p.grad.numel() * p.grad.element_size() for p, v in zip(self.params, views)
+                   if p.grad is not None and p.grad is not v)
 
     # ---------------------------------------------------------------- backward
     @property
     def every_micro_step(self) -> bool:
         """Reduce in every backward (no full gradient survives a micro-step)?"""
-        return self.mode == SCATTER_PER_BUCKET
+        return self.mode == SCATTER_PER_BUCKET and not self.local
 
     def begin(self, reduce: bool, pre_scale: float) -> None:
         """Called before loss.backward(): reduce in this backward or only accumulate."""
+        if self.local:  # nothing to reduce: the optimizer applies the factor
+            self.unapplied, reduce = pre_scale, False
         self.active, self.pre_scale = reduce, pre_scale
         self.remaining = [len(b) for b in self.block_params]
         self.blocks_left = [len(b) for b in self.param_blocks]

@@ -107,8 +107,9 @@ class ReplicatedParams:
         return None
 
     def after_update(self) -> None:
-        """Every rank's working parameters from the owners' updated chunks."""
-        if self.owns_all:
+        """Every rank's working parameters from the owners' updated chunks (alone: the
+        update wrote them all)."""
+        if self.owns_all or self.comm.size == 1:
             return
         fp = self.state.flat_param
         handles = [self.comm.all_gather(fp[sp.mine], fp[sp.block], async_op=True)

@@ -19,6 +19,10 @@
   round; all ranks take the same gather decisions from it, prefetch included. A phase
   (forward, backward) ends with rounds until every rank is done, and blocking waits
   inside backward keep serving rounds (`serve`).
+- Alone (a shard group of one rank, `resident`): the shard is the whole model in the flat
+  layout, so every unit is a permanent view of it: no pool, gather, release, round or
+  hook, and the update writes the parameters themselves (FSDP2 skips its all-gather at
+  world size 1 likewise).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from .init_context import adopt
 from .rounds import Rounds
 from .params import Plan, keep_changes
 from .secondary import Secondary
+from .units import output_tensors as _tensors
 from .weak_hooks import weakly
 
 class _Unit:
@@ -80,8 +85,9 @@ class PartitionedParams:
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
+        self.resident = comm.size == 1  # the shard is every unit's storage (docstring)
         self.pool = None  # torch without storage swaps: units resize their own storage
-        if gather_pool.available():
+        if gather_pool.available() and not self.resident:
             sizes = [hi - lo for lo, hi in layout.unit_spans]
             self.pool = gather_pool.GatherPool(pl, dtype, gather_pool.capacities(
                 plan.unit_names, plan.unit_persistent, sizes, self.cfg.prefetch_modules,
@@ -92,7 +98,9 @@ class PartitionedParams:
             # Identical start everywhere, one unit at a time: values come from the
             # partitioned construction (zerompi.Init) or from rank 0's full tensors.
             pooled = self.pool is not None and not unit.persistent
-            if pooled:  # the unit's storage, on a lent slot: set-up allocates no unit buffers
+            if self.resident:
+                unit.full = state.shard_param[unit.lo:unit.hi]
+            elif pooled:  # the unit's storage, on a lent slot: set-up allocates no unit buffers
                 unit.full, unit.slot = self.pool.buffer(unit.size)
             full32 = (unit.full if pooled and dtype == torch.float32
                       else pl.empty(unit.size, torch.float32)).zero_()
@@ -112,17 +120,17 @@ class PartitionedParams:
                     from_rank0 = True
             if from_rank0:
                 dp.broadcast(full32, root=0)
-            state.set_full(full32, blocks=blocks, base=unit.lo)
+            state.set_full(full32, blocks=blocks, base=unit.lo)  # resident: into unit.full too
             if pooled and dtype != torch.float32:
                 unit.full.copy_(full32)
-            elif not pooled:
+            elif not pooled and not self.resident:
                 unit.full = full32 if dtype == torch.float32 else pl.empty(unit.size, dtype).copy_(full32)
             del full32
             for i in unit.params:
                 o, n = layout.offsets[i] - unit.lo, layout.numels[i]
                 params[i].data = unit.full[o:o + n].view(params[i].shape)
                 self.unit_of[id(params[i])] = unit
-            if unit.persistent:
+            if unit.persistent or self.resident:
                 unit.state = "ready"
             elif pooled:
                 self.pool.give_back(unit.full, unit.slot)
@@ -130,7 +138,7 @@ class PartitionedParams:
             else:
                 _free(unit.full)
             self.units.append(unit)
-        sec = groups.secondary if groups is not None else None  # zero/secondary.py
+        sec = groups.secondary if groups is not None and not self.resident else None  # zero/secondary.py
         self.secondary = Secondary(sec, layout, self.units, pl, dtype) if sec is not None else None
         self._live = 0  # gathered elements of non-persistent units
         self._trim = HeapTrimmer(pl)  # host: backward's freed transients back to the OS
@@ -141,6 +149,9 @@ class PartitionedParams:
         self.rounds = Rounds(comm.split(0, comm.rank), self.units, self.cfg.prefetch_modules,
                              self._predictions, self._gather, self._release)
         self._hooks = []
+        if self.resident:
+            self.serve = None  # nothing to serve while the reducer waits
+            return
         for u in self.units:
             for j, root in enumerate(u.roots):
                 self._hooks.append(root.register_forward_pre_hook(weakly(self, "_pre_forward", u.idx)))
@@ -171,6 +182,8 @@ class PartitionedParams:
         self._phase, self._cursor, self._seq = phase, 0, []
 
     def _end(self, phase: str) -> None:
+        if self.resident:
+            return
         self.rounds.until_all_done()  # sync: no rank moves on while a peer needs it
         self._release_all()  # prefetched but unused units, and anything left gathered
         self._trace[phase] = self._seq
@@ -185,6 +198,8 @@ class PartitionedParams:
         Secondary copies hold the old values: invalid until the next forward gather."""
         if self.secondary is not None:
             self.secondary.invalidate()
+        if self.resident:
+            return  # the update wrote the shard, which every unit views
         for u in self.units:
             if u.persistent:
                 u.state = "free"
@@ -331,6 +346,17 @@ class PartitionedParams:
         shards (from `modifier_rank` if given, else each rank's own copy) and the
         parameters released. Collective: every rank must enter."""
         units = list(dict.fromkeys(self.unit_of[id(p)] for p in params if id(p) in self.unit_of))
+        if self.resident:  # the parameters are the shard: edits reach the master only
+            try:
+                yield
+            finally:
+                st = self.state
+                for u in units:
+                    if modifier_rank is not None:
+                        self.dp.broadcast(u.full, root=modifier_rank)
+                    if st.master is not None:
+                        keep_changes(u.full, st.master[u.lo:u.hi])
+            return
         for u in units:
             self._gather(u)
             self._wait(u)
@@ -362,19 +388,11 @@ class PartitionedParams:
         slot and allocated a fresh buffer (a count, not bytes); secondary: the node-local
         copies of zero.stage3.secondary_partition."""
         pool = self.pool
+        if self.resident:  # views of the shard: no memory of their own
+            return {"persistent": 0, "secondary": 0, "gathered": 0, "gather_pool": 0, "gather_fallbacks": 0}
         return {"persistent": sum(flat.nbytes(u.full) for u in self.units if u.persistent),
                 "secondary": self.secondary.nbytes if self.secondary is not None else 0,
                 "gathered": sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent),
                 "gather_pool": pool.nbytes if pool is not None else 0,
                 "gather_fallbacks": pool.fallbacks if pool is not None else 0}
 
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)

@@ -52,6 +52,7 @@ def export_state(engine, views: bool = False) -> dict:
     {kind: [piece j's values]} instead: views of the engine's own buffers, no copy
     (the checkpoint writer streams them to disk; a concatenation of a large shard
     would cost seconds of page faults)."""
+    engine.settle()  # a step the device decided: its skip changes the step counts
     segs = _exporting_segments(engine)
     cols: dict[str, list] = {kind: [] for kind in STATE_KINDS}
     for s in segs:
@@ -127,6 +128,6 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
         gathered = st.placement.empty(comm.size * layout.shard_size, torch.float32)
         comm.all_gather(st.grad_shard_fp32(), gathered)
         full = flat.unshard(gathered.view(comm.size, -1), layout)
-    full = full / engine.scaler.scale
+    full = full * (engine.reducer.unapplied / engine.scaler.scale)  # local: the mean, not the sum
     return {n: full[o:o + k].view(p.shape).clone() for n, p, o, k in
             zip(engine.param_names, engine.params, layout.offsets, layout.numels)}

@@ -230,3 +230,15 @@ def explain_released_read(exc: BaseException, released: dict, model: nn.Module,
         f"parameters are present only while the unit's root module runs). Make one unit "
         f"cover the reader: add '{cls}' to zero.stage3.unit_classes (now {unit_classes!r}), "
         f"or keep small parameters resident with zero.stage3.persistence_threshold")
+
+
+def output_tensors(obj):
+    """The tensors in a module's output (nested lists, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from output_tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from output_tensors(o)
