@@ -211,7 +211,7 @@ def test_dry_run_equals_the_engine_at_n1():
         assert c["engine_policy_calls"] == c["estimate_policy_calls"] != [], tag
         # (stage 0 has no parameter all-gather: its all-reduce moves the fp32 reduce dtype)
         assert c["engine_policy_calls"][0][2] == {
-            "elem_bytes": 4 if c["precision"] == "fp32" or c["stage"] == 0 else 2}, tag
+            "elem_bytes": 4 if c["precision"] == "fp32" or c["stage"] == 0 else 2, "device": "cpu"}, tag
     # ... which, at large N, is the dry run's "auto" bucket for a bf16 config
     from zerompi.zero.buckets import bucket_policy
     kw = next(c["engine_policy_calls"][0][2] for c in cases if c["precision"] == "bf16" and c["stage"] > 0)
@@ -255,3 +255,17 @@ def test_sizing_at_tp2_has_the_stage3_work_and_a_configs_tp_is_the_default(tmp_p
     run = api.size(str(cfg), [8])["runs"][0]
     assert run["tp"] == 2 and run["params"] == two["params"]
 
+
+
+def test_auto_bucket_floor_on_a_gpu():
+    """A GPU's "auto" floor is 2^26 elements (each bucket's host cost is fixed), the CPU's
+    2^22; above the floor both grow with N alike."""
+    from zerompi.zero.buckets import AUTO_FLOOR_GPU, bucket_policy
+
+    assert AUTO_FLOOR_GPU == 1 << 26
+    for n in (1, 2, 8, 64):
+        assert bucket_policy("auto", n, elem_bytes=2, device="cuda") == (1 << 26, False), n
+        assert bucket_policy("auto", n, elem_bytes=2)[0] == max(1 << 22, n * 562_512), n
+    big = bucket_policy("auto", 256, elem_bytes=2)
+    assert big == bucket_policy("auto", 256, elem_bytes=2, device="cuda") and big[1] and big[0] > 1 << 26
+    assert bucket_policy(1000, 4, elem_bytes=2, device="cuda") == (1000, False)  # an integer is kept

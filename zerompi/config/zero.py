@@ -216,7 +216,9 @@ class ZeroConfig:
     """Max global L2 norm of the gradient; 0 disables clipping."""
     bucket_size: int | str = "auto"
     """Elements per communication bucket (also the partition block, see docs), or "auto":
-    2^22 at small N, growing with N so every rank's chunk of a collective stays large
+    2^22 at small N (2^26 when the model is on a GPU, where each bucket's fixed host cost
+    matters more than its memory; none at all on one data-parallel rank, which
+    communicates nothing), growing with N so every rank's chunk of a collective stays large
     enough that latency is a small part of its time, sized for the narrowest collective
     (2-byte elements in bf16/fp16 runs at stages 1-3, whose all-gathers move the param
     dtype; stage 0 only all-reduces, in the reduce dtype) and
@@ -224,7 +226,7 @@ class ZeroConfig:
     per rank at large N with fp32 reduction; an integer caps them, reduce_dtype "param"
     halves them; zerompi/comm/cost_model.py auto_bucket_elements; docs/scaling.md).
     Each span (the model, a stage-3 unit) is cut into balanced blocks: at most this many
-    elements (an integer, or "auto" at its 2^22 floor), or with "auto" above the floor at
+    elements (an integer, or "auto" at its floor), or with "auto" above the floor at
     least this many (then stage-3 units are coalesced to it too,
     stage3.coalesce_elements). Each of the `bucket_count` slots
     holds ~2.5 of the largest block (send, alltoall receive, own chunk) in the reduce

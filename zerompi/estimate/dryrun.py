@@ -62,8 +62,10 @@ class Built:
 class DryRun:
     """Builds (and caches) layouts of one model for any N and stage."""
 
-    def __init__(self, spec: ModelSpec, zcfg: ZeroConfig | None = None, tp: int = 1):
-        self.spec, self.zcfg, self.tp = spec, zcfg or ZeroConfig(), tp
+    def __init__(self, spec: ModelSpec, zcfg: ZeroConfig | None = None, tp: int = 1, device: str = "cpu"):
+        # device: where the planned run's buffers live ("auto" buckets have a larger
+        # floor on a GPU: zero/buckets.py)
+        self.spec, self.zcfg, self.tp, self.device = spec, zcfg or ZeroConfig(), tp, device
         t = time.perf_counter()
         self.model = meta_model(spec, tp)  # with tp > 1: one tp rank's share, what its engine lays out
         self.trainable = [(n, p) for n, p in self.model.named_parameters(remove_duplicate=True)
@@ -86,7 +88,8 @@ class DryRun:
         cfg = self.zcfg if bucket is None or isinstance(bucket, tuple) else \
             dataclasses.replace(self.zcfg, bucket_size=bucket)
         # the engine's own builder (zero/layout.py): "auto" grows with N
-        bucket, at_least = bucket if isinstance(bucket, tuple) else zlayout.bucket(cfg, n, stage, precision)
+        bucket, at_least = bucket if isinstance(bucket, tuple) else zlayout.bucket(cfg, n, stage, precision,
+                                                                                      device=self.device)
         key = (n, k, PARTS[stage].store, bucket, at_least)
         if key not in self._cache:
             t = time.perf_counter()

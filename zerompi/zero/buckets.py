@@ -19,6 +19,12 @@ AUTO_CEILING_BYTES = 1 << 30
 # small N the chunks are large anyway; the bucket is then a memory budget, above it a
 # floor on the chunk (bucket_policy below).
 AUTO_FLOOR = 1 << 22
+# On a GPU the floor is 16x that (2^26 elements, 256 MiB in fp32, about DeepSpeed's
+# default buckets' order): every bucket costs a fixed host time (the launches of its copy
+# and collective, their events and bookkeeping) whatever its size, and a GPU moves a
+# 2^22 bucket in microseconds, so small buckets make the step host-bound (GPT-2 124M had
+# 30 buckets a step, a 1B GPT 289). A data-parallel group of one rank has no bucket.
+AUTO_FLOOR_GPU = 1 << 26
 
 
 def auto_bucket_elements(n: int, elem_bytes: int = 4, link: Link | None = None,
@@ -107,7 +113,7 @@ def auto_elem_bytes(precision: str, reduce_dtype: str, stage: int) -> int:
 
 
 def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int,
-                  link: Link | None = None) -> tuple[int, bool]:
+                  link: Link | None = None, device: str = "cpu") -> tuple[int, bool]:
     """(bucket elements, at_least) for FlatLayout. The number's meaning decides which way
     a span's balanced blocks round: an integer bucket_size, and "auto" at its 2^22 floor
     (small N), are memory budgets - every block <= the bucket, so the reducer's buffers
@@ -115,13 +121,17 @@ def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int,
     keeps latency small (large N) - every block >= the bucket, so no chunk falls below
     it (buffers grow by at most 1 / nb of a block). Results do not depend on it.
     elem_bytes: auto_elem_bytes of the run (keyword-only, so no caller can leave it out);
-    link: the fabric "auto" sizes for (the estimator's --link; default hdr-ib)."""
+    link: the fabric "auto" sizes for (the estimator's --link; default hdr-ib);
+    device: where the buffers live ("cuda": the GPU floor AUTO_FLOOR_GPU)."""
     if bucket_size != "auto":
         return int(bucket_size), False
-    b = auto_bucket_elements(world, elem_bytes=elem_bytes, link=link)
-    return b, b > AUTO_FLOOR
+    floor = AUTO_FLOOR_GPU if device == "cuda" else AUTO_FLOOR
+    b = auto_bucket_elements(world, elem_bytes=elem_bytes, link=link, floor=floor)
+    return b, b > floor
 
 
-def resolve(bucket_size: "int | str", world: int, precision: str, reduce_dtype: str, stage: int) -> tuple[int, bool]:
+def resolve(bucket_size: "int | str", world: int, precision: str, reduce_dtype: str, stage: int,
+            device: str = "cpu") -> tuple[int, bool]:
     """bucket_policy for a run's config: (bucket elements, at_least)."""
-    return bucket_policy(bucket_size, world, elem_bytes=auto_elem_bytes(precision, reduce_dtype, stage))
+    return bucket_policy(bucket_size, world, elem_bytes=auto_elem_bytes(precision, reduce_dtype, stage),
+                         device=device)

@@ -58,7 +58,7 @@ class ZeroEngine:
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True")
-        bucket, at_least = layout_mod.bucket(cfg, self.world, cfg.stage)
+        bucket, at_least = layout_mod.bucket(cfg, self.world, cfg.stage, device=placement.device.type)
         plan = layout_mod.plan(model, trainable, cfg, cfg.stage, bucket, at_least)
         self.param_names = [n for n, _ in plan.order]
         self.params = [p for _, p in plan.order]

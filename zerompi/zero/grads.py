@@ -74,7 +74,10 @@ class GradReducer:
         self.local = local
         self.unapplied = 1.0  # local: the pre_scale the optimizer's coefficient must apply
         nb = len(layout.blocks)
-        self.block_params = [sorted({pc.index for pc in layout.pieces(s, e)}) for s, e in layout.blocks]
+        self.block_pieces = [list(layout.pieces(s, e)) for s, e in layout.blocks]
+        self.block_params = [sorted({pc.index for pc in pcs}) for pcs in self.block_pieces]
+        # blocks whose pieces leave gaps (alignment, padding): their bucket is zeroed first
+        self.gapped = [sum(pc.size for pc in pcs) < e - s for pcs, (s, e) in zip(self.block_pieces, layout.blocks)]
         self.param_blocks = [layout.param_blocks(i) for i in range(len(self.params))]
         # where gradients accumulate in place: the full buffer, or (local) the shard,
         # which over one rank is laid out as the flat space
@@ -119,7 +122,8 @@ class GradReducer:
         flat_grad, or the local shard); otherwise each .grad is folded in by the hook."""
         if self.grad_views is not None and self.acc.dtype == self.params[0].dtype:
             for p, v in zip(self.params, self.grad_views):
-                p.grad = v
+                if p.grad is not v:  # autograd accumulated in place: still attached
+                    p.grad = v
         elif self.grad_views is not None:
             for p in self.params:
                 p.grad = None
@@ -199,15 +203,22 @@ class GradReducer:
         b = e - s
         buf = slot.bucket[:b]
         if self.mode == SCATTER_PER_BUCKET:
-            buf.zero_()
-            for pc in self.layout.pieces(s, e):
+            # one pass: every piece cast-copied into the bucket by one foreach launch; the
+            # 1 / contributions factor is applied to the (N times smaller) result instead
+            dst, src, pieces = [], [], self.block_pieces[k]
+            for pc in pieces:
                 p = self.params[pc.index]
                 if p.grad is not None:
-                    buf[pc.flat_lo - s:pc.flat_hi - s].copy_(p.grad.reshape(-1)[pc.param_lo:pc.param_hi])
+                    dst.append(buf[pc.flat_lo - s:pc.flat_hi - s])
+                    src.append(p.grad.reshape(-1)[pc.param_lo:pc.param_hi])
+            if self.gapped[k] or len(src) < len(pieces):
+                buf.zero_()
+            if src:
+                torch._foreach_copy_(dst, src)
+            for pc in pieces:
                 self.blocks_left[pc.index] -= 1
                 if self.blocks_left[pc.index] == 0:
-                    p.grad = None  # the full gradient is dropped once reduced
-            buf.mul_(self.pre_scale)
+                    self.params[pc.index].grad = None  # the full gradient is dropped once reduced
         else:
             torch.mul(self.flat_grad[s:e], self.pre_scale, out=buf)
         c = self.layout.chunk_size(k)
@@ -234,5 +245,5 @@ class GradReducer:
             if self.mode == SCATTER_AT_BOUNDARY:
                 self.flat_grad[ch.flat_lo:ch.flat_hi].copy_(res)
             else:
-                self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res)
+                self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res, alpha=self.pre_scale)
         self.slots_free.append(slot)

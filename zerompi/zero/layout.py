@@ -36,10 +36,11 @@ PARTS = {
 }
 
 
-def bucket(cfg, world: int, stage: int, precision: str | None = None) -> tuple[int, bool]:
-    """(bucket elements, at_least) of zero.bucket_size at `world` ranks (buckets.py)."""
+def bucket(cfg, world: int, stage: int, precision: str | None = None, device: str = "cpu") -> tuple[int, bool]:
+    """(bucket elements, at_least) of zero.bucket_size at `world` ranks on `device`'s
+    type (buckets.py)."""
     return buckets.bucket_policy(cfg.bucket_size, world, elem_bytes=buckets.auto_elem_bytes(
-        precision or cfg.precision, cfg.reduce_dtype, stage))
+        precision or cfg.precision, cfg.reduce_dtype, stage), device=device)
 
 
 def plan(model, trainable: list, cfg, stage: int, bucket_size: int, at_least: bool) -> Plan:
