@@ -23,14 +23,16 @@ import math
 import torch
 
 
-def _formula(s, unapplied: float, scale: float, clip: float, sqrt, f32, where):
+def _formula(s, unapplied: float, scale: float, clip: float, sqrt, div, f32, where):
     """The arithmetic, once, over Python floats (host) or 0-d float64 tensors (device):
-    sqrt must be IEEE (math.sqrt; CUDA's double sqrt; torch's CPU sqrt is not, by an ulp)."""
+    sqrt and div(float, x) must be IEEE (math.sqrt; CUDA's double sqrt; torch's CPU sqrt
+    is not, by an ulp; torch's `float / tensor` is a reciprocal times the float). Dividing
+    by `scale` is exact either way: a loss scale is a power of two."""
     norm = sqrt(s) * unapplied / scale if unapplied != 1.0 else sqrt(s) / scale
     base = unapplied / scale
     coef = base
     if clip > 0:
-        cc = clip / (norm + 1e-6)
+        cc = div(clip, norm + 1e-6)
         coef = where(cc < 1.0, f32(cc) * base, base)
     return norm, coef
 
@@ -44,7 +46,7 @@ def coefficient(sumsq: torch.Tensor, scale: float, unapplied: float, clip: float
     if s.device.type == "cpu":
         v = float(s)
         skip = not math.isfinite(v)
-        norm, coef = _formula(v, unapplied, scale, clip, math.sqrt,
+        norm, coef = _formula(v, unapplied, scale, clip, math.sqrt, lambda a, b: a / b,
                               lambda x: float(torch.tensor(x, dtype=torch.float32)),
                               lambda c, a, b: a if c else b)
         coef = 0.0 if skip else float(torch.tensor(coef, dtype=torch.float32))
@@ -55,9 +57,12 @@ def coefficient(sumsq: torch.Tensor, scale: float, unapplied: float, clip: float
 
 def _on_device(s: torch.Tensor, scale: float, unapplied: float, clip: float):
     skip = (~torch.isfinite(s)).to(torch.float64)
-    norm, coef = _formula(s, unapplied, scale, clip, torch.sqrt, lambda x: x.float().double(),
+    # no tensor is made from a host value (that copy would wait for the device): fills only
+    norm, coef = _formula(s, unapplied, scale, clip, torch.sqrt,
+                          lambda a, b: torch.div(torch.full_like(b, a), b), lambda x: x.float().double(),
                           lambda c, a, b: torch.where(c, a, torch.full_like(a, b)))
-    coef = torch.as_tensor(coef, dtype=torch.float64, device=s.device)
+    if not isinstance(coef, torch.Tensor):
+        coef = torch.full_like(norm, coef)
     # an overflowed step's coefficient is never used (the kernel skips): keep it finite
     coef = torch.where(skip > 0, torch.zeros_like(coef), coef).float()
     return torch.stack([coef, skip.float()]), torch.stack([norm, skip, coef.double()])
