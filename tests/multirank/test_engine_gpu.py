@@ -48,6 +48,10 @@ def test_gpu_step_has_no_device_synchronise(tmp_path):
     for stage in range(4):
         d = r[f"stage{stage}"]
         assert d["ranges"] == 1 and d["device_syncs"] == 0, (stage, d)
+        # bf16 with the fused optimizer: the norm is read a step late, so no stream waits
+        # either (event waits only, on work a step old: zero/step_coef.py)
+        if d["optimizer"] == "FusedShardAdamW":
+            assert d["defer_stats"] and d["syncs"].get("cudaStreamSynchronize", 0) == 0, (stage, d)
 
 
 def test_gpu_offloaded_optimizer_parity(tmp_path):

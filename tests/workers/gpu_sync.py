@@ -48,7 +48,7 @@ for stage in map(int, a.stages.split(",")):
     counts = profiled(lambda: one_step(engine, 2, 2),
                       lambda: profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]))
     result[f"stage{stage}"] = {**counts, "optimizer": type(engine.optimizer).__name__,
-                               "backend": type(engine.comm).__name__}
+                               "backend": type(engine.comm).__name__, "defer_stats": engine.defer_stats}
     del engine, model
 if rank == 0:
     with open(a.out, "w") as f:

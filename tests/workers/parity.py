@@ -102,9 +102,7 @@ for stage, init in runs:
             with torch.no_grad():
                 engine(x[:2])
             left += engine.materialized_params()
-            if engine.param_store.resident:  # one rank: the shard is every parameter, whole
-                assert engine.memory_report()["gathered"] == 0
-                left = [n for n in left if n not in engine.param_names]
+            assert engine.memory_report()["gathered"] == 0
             assert not left, f"materialised after step {step}: {left}"
             assert all(p.grad is None for p in engine.params) or engine.reducer.local
         losses.append(world.allreduce(tot, op=MPI.SUM) / (N * a.gas))

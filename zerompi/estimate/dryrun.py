@@ -174,9 +174,11 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
         rows += [("reduce_scatter", b, rbytes, c * reduce_times, False) for b, c in all_blocks.items()]
     if stage and g > 1:  # hybrid: each rank's chunk all-reduced across the g groups (comm.hierarchy)
         rows += [("all_reduce", b // n, rbytes, c * reduce_times, False) for b, c in all_blocks.items()]
-    if stage in (1, 2):
+    # a shard group of one rank (zero.shard_group 1) gathers nothing: the update wrote the
+    # parameters (1-2), the units are views of the shard (3)
+    if stage in (1, 2) and n > 1:
         rows += [("all_gather", b, pbytes, c, False) for b, c in all_blocks.items()]
-    if stage == 3:
+    if stage == 3 and n > 1:
         gathers: Counter = Counter()
         for u, blocks in enumerate(layout.unit_blocks):
             if built.plan.unit_persistent[u]:

@@ -319,7 +319,9 @@ class ZeroEngine:
                 for name, p in build.unique_params(self.module)}
 
     def materialized_params(self) -> list[str]:
-        """Names of trainable parameters whose full values exist on this rank now."""
+        """Names of trainable parameters held whole on this rank now, besides its shard
+        (stages 0-2: every one; stage 3: the gathered units, none on one rank, where the
+        shard is the whole model)."""
         return self.param_store.materialized()
 
     def gathered(self, params, modifier_rank: int | None = None):

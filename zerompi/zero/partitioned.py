@@ -377,7 +377,10 @@ class PartitionedParams:
                 self._release(u)
 
     def materialized(self) -> list[str]:
-        """Names of non-persistent parameters whose full storage currently exists."""
+        """Names of non-persistent parameters gathered now (full storage besides the
+        shard); resident units are the shard itself: none."""
+        if self.resident:
+            return []
         return [self.names[i] for u in self.units if not u.persistent
                 for i in u.params if self.params[i].untyped_storage().nbytes() > 0]
 
