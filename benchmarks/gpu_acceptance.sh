@@ -22,7 +22,7 @@
 #                    staged and NCCL collectives, device binding); -n 4 with pytest-xdist
 #    6 e2e           (cap 110 s) [65] e2e.json: GPT-2 124M (micro 8 x 1024): plain torch, FSDP2,
 #                    zerompi stages 0-3 and stage 3 with 8 bucket slots, then DeepSpeed ZeRO-2/3
-#                    in a group of their own; 6 rounds x 3 steps, the order reversed every other
+#                    in a group of their own; 8 rounds x 3 steps, the order reversed every other
 #                    round, ratios to torch per round; every system profiled (device busy, host
 #                    time per op and runtime call, Python time by package); a 60-step corpus run
 #    7 e2e-1b        (cap 130 s) [70] e2e_1b.json: the 1B preset (micro 4 x 1024): plain torch,
@@ -245,7 +245,7 @@ e2e() {  # e2e NAME CAP MIN OUTFILE SYSTEMS GPU-ARGS... -- CPU-ARGS...
     fi
 }
 e2e e2e 110 40 "$OUT/e2e.json" torch,fsdp2,stage0,stage1,stage2,stage3,stage3_slots8/deepspeed2,deepspeed3 \
-    --preset "$PRESET" --micro 8 --seq 1024 --warmup 3 --rounds 6 --steps 3 --train-steps 60 -- --train-steps 30
+    --preset "$PRESET" --micro 8 --seq 1024 --warmup 3 --rounds 8 --steps 3 --train-steps 60 -- --train-steps 30
 e2e e2e-1b 130 60 "$OUT/e2e_1b.json" torch,fsdp2,stage0,stage1,stage2,stage3 \
     --preset gpt-1b --micro 4 --seq 1024 --warmup 2 --rounds 6 --steps 2 --profile-steps 2 --
 
