@@ -1,32 +1,46 @@
-"""One-GPU end to end (issue 12): the reference GPT in bf16, zerompi stages 0-3 at N = 1
-against the same model in plain torch (fp32 parameters, bf16 autocast, AdamW(fused=True))
-with the same micro-batch, in one run; tokens/s, their ratio, MFU, peak memory, and a
-profile of one step (benchmarks/step_profile.py: the device's and the host's time, for plain
-torch and the profiled stages) as tables.
+"""One-GPU end to end (issues 12, 39, 40): the reference GPT trained by plain torch, torch
+FSDP2, zerompi stages 0-3 and DeepSpeed ZeRO-2/3 (benchmarks/e2e_systems.py), all at world
+size 1 with the same model, micro-batch and data, in one process; tokens/s per system and
+as a ratio to plain torch measured in the same round, MFU, peak memory, and a device- and
+host-side profile of one step of each system (benchmarks/step_profile.py).
 
-    python benchmarks/bench_gpu_e2e.py --preset gpt-1b --micro 8 --seq 1024 \
-        --peak-flops 989e12 --out benchmarks/results/gpu_e2e.json
+    python benchmarks/bench_gpu_e2e.py --preset gpt2 --micro 8 --seq 1024 \\
+        --systems torch,fsdp2,stage0,stage1,stage2,stage3/deepspeed2,deepspeed3 \\
+        --peak-flops 989e12 --out e2e.json
+    python benchmarks/e2e_summary.py e2e.json      # the table
+
+Measurement: every system is built once and warmed up (--warmup steps), then timed in
+--rounds rounds, each a block of --steps steps per system, in list order in even rounds and
+reversed in odd ones (A B C, C B A, ...): a drift of the machine's speed within the run
+falls on all systems alike. A system's ratio to plain torch is taken per round (torch's
+block and its own of the same round) and reported as the median, min and max over the
+rounds; tokens/s is from the median block. The systems of a group stay built together;
+`/` in --systems starts a new group, measured after the previous one is freed. Plain torch
+is built first, stays, and is timed again in every group. DeepSpeed goes in a group of its
+own, so what it sets up process-wide comes after the others were measured. On a GPU a
+group also ends early when the free memory is below 1.25x the largest peak so far plus
+2 GiB (the 1B preset on an 80 GB GPU), or when a build runs out of memory (then retried
+once in a fresh group). Peak memory of a system = what it holds after its warm-up +
+the most one of its steps allocates on top of that (max over its blocks), so systems built
+side by side do not count each other's memory.
 
 MFU = tokens/s x flops per token / peak, flops per token = 6 N + 12 L C T (GPT's
-flops_per_token at the measured sequence length; N non-embedding parameters; the
-activation recomputation of checkpointing is not counted). `--device cpu --preset tiny`
-runs the same code on the CPU (a smoke test of the script, not a measurement).
-
-`--backend auto|nccl|mpi` is the engines' comm.backend (at N = 1 neither moves data):
-`mpi` when NCCL does not load, so an NCCL problem costs the NCCL numbers, not the run.
-A stage that fails records its error and the others still run; the JSON is rewritten
-after every stage, and every engine is freed (gc, the CUDA cache emptied) before the
-next one is built. `--train-steps K` adds a short run on the built-in corpus (real
-text, so the loss can fall; random tokens cannot) with its losses; `--offload` adds
-stage 2 with the optimizer offloaded to the host, for its peak GPU memory. Exit 1
-when a part failed or the corpus run's loss did not fall.
-Run on one H100 (benchmarks/results/gpu/); the host-side profile (step_profile.py) not yet.
+flops_per_token at the measured sequence length; N non-embedding parameters). `--backend
+auto|nccl|mpi` is zerompi's comm.backend (at one rank neither moves data; the acceptance
+script takes `mpi` when NCCL does not load). `--train-steps K` adds a zerompi stage-2 run
+on the built-in corpus (real text, so the loss can fall) after all systems are freed.
+`--device cpu --preset tiny` runs the same code on the CPU (FSDP2 and DeepSpeed over gloo;
+a check of the script, not a measurement). A system that fails to build or step records
+its error and the others go on; the JSON is rewritten after every part. Exit 1 when a
+system or a profile failed (a peer that does not import is skipped, not failed) or the
+corpus run's loss did not fall.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -36,8 +50,12 @@ import torch
 
 from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
-from zerompi.models.gpt import GPT, PRESETS, count_params  # noqa: E402
+from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
+from e2e_systems import build, check_names, end_process_group, engine_config, new_model  # noqa: E402
 from step_profile import profile_step, sync  # noqa: E402
+
+GiB = 1 << 30
+POOL = 4  # distinct batches, made once on the device and shared by every system
 
 
 def batches(cfg, micro: int, seq: int, dev, n: int, corpus=None):
@@ -61,9 +79,8 @@ def load_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
 
 
 def release(dev: torch.device) -> None:
-    """Free what the last engine held before the next one is built: its reference
-    cycles, and the blocks torch's caching allocator keeps (else the next stage's peak
-    memory and free memory include them)."""
+    """Free what dropped systems held: their reference cycles, and the blocks torch's
+    caching allocator keeps (else the next build's free memory excludes them)."""
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -71,75 +88,197 @@ def release(dev: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(dev)
 
 
-def guarded(what: str, fn) -> dict:
-    """fn()'s record, or {"error": ...} when it raises: one failing part (NCCL, memory)
-    costs its own numbers only."""
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        print(f"bench_gpu_e2e: {what} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return {"error": f"{type(e).__name__}: {e}"}
+def error_of(what: str, e: BaseException) -> dict:
+    traceback.print_exc()
+    print(f"bench_gpu_e2e: {what} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return {"error": f"{type(e).__name__}: {e}"}
 
 
-def profiled(step, cfg, a, dev) -> dict:
-    """step_profile.profile_step of `step` on one fresh batch of the run's shape."""
-    return profile_step(step, next(batches(cfg, a.micro, a.seq, dev, 1)), dev)
+def flops_per_token(cfg, seq: int) -> int:
+    return 6 * count_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq
 
 
-def run_torch(cfg, a, dev, profile: bool = False) -> dict:
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=dev.type == "cuda")
-
-    def step(x, y):
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    rec = timed(step, cfg, a, dev)
-    if profile:
-        rec["profile"] = profiled(step, cfg, a, dev)
-    return rec
+def parse_groups(spec: str) -> list[list[str]]:
+    """"a,b/c" -> [["torch", "a", "b"], ["c"]]: plain torch first, once."""
+    groups = [[n for n in g.split(",") if n and n != "torch"] for g in spec.split("/")]
+    check_names([n for g in groups for n in g])
+    groups[0].insert(0, "torch")
+    return [g for g in groups if g]
 
 
-def engine_config(a, stage: int, offload: bool = False, lr: float = 1e-4, slots: int | None = None) -> dict:
-    out = {"stage": stage, "precision": "bf16", "gradient_clipping": 1.0,
-           "optimizer": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
-           "comm": {"backend": a.backend}, "offload_optimizer": "cpu" if offload else "none"}
-    if slots is not None:
-        out["bucket_count"] = slots
-    return out
+class Run:
+    def __init__(self, a, cfg, dev: torch.device, out: Path, result: dict):
+        self.a, self.cfg, self.dev, self.out, self.result = a, cfg, dev, out, result
+        self.cuda = dev.type == "cuda"
+        self.pool = list(batches(cfg, a.micro, a.seq, dev, POOL))
+        self.built: dict = {}  # name -> System, in build order (plain torch first)
+        self.profile = set() if a.profile == "none" else None if a.profile == "all" else set(a.profile.split(","))
+        result.update(systems={}, groups=[], calibration={})
 
+    def rec(self, name: str) -> dict:
+        return self.result["systems"].setdefault(name, {})
 
-def run_zerompi(cfg, a, dev, stage: int, profile: bool, offload: bool = False, slots: int | None = None) -> dict:
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    engine = zerompi.initialize(model, engine_config(a, stage, offload, slots=slots))
+    def save(self) -> None:
+        self.out.write_text(json.dumps(self.result, indent=1))  # as it goes: a cut-off run keeps what it has
 
-    def step(x, y):
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss
-    rec = timed(step, cfg, a, dev)
-    rec["optimizer"] = type(engine.optimizer).__name__
-    rec["backend"] = type(engine.comm).__name__
-    if profile:
-        rec["profile"] = profiled(step, cfg, a, dev)
-    del engine, model
-    return rec
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.dev) if self.cuda else 0
+
+    def steps(self, system, n: int, start: int) -> tuple[float, int, float]:
+        """n steps from pool batch `start`: seconds per step, the most they allocated on
+        top of what was allocated before, the last loss."""
+        sync(self.dev)
+        base = self.allocated()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        t0 = time.perf_counter()
+        for i in range(n):
+            loss = system.step(*self.pool[(start + i) % POOL])
+        sync(self.dev)
+        dt = (time.perf_counter() - t0) / n
+        extra = torch.cuda.max_memory_allocated(self.dev) - base if self.cuda else 0
+        return dt, extra, float(loss.detach())
+
+    def drop(self, name: str, err: dict | None = None) -> None:
+        if err:
+            self.rec(name).update(err)
+        s = self.built.pop(name, None)
+        if s is not None:
+            s.close()
+        release(self.dev)
+
+    def fits(self) -> bool:
+        """Room for one more system beside the built ones (always, with nothing to free)."""
+        if not self.cuda or len(self.built) < 2:
+            return True
+        need = 1.25 * max(self.rec(n).get("peak_memory_bytes", 0) for n in self.built) + 2 * GiB
+        free, _ = torch.cuda.mem_get_info(self.dev)
+        return free + torch.cuda.memory_reserved(self.dev) - torch.cuda.memory_allocated(self.dev) >= need
+
+    def add(self, name: str) -> str:
+        """Build and warm up `name`: "ok", "skip", "oom" (nothing recorded) or "error"."""
+        r, before, t0, s = self.rec(name), self.allocated(), time.perf_counter(), None
+        try:
+            s = build(name, self.cfg, self.a.micro, self.a.backend, self.dev)
+            if isinstance(s, dict):
+                r.update(s)
+                print(f"{name}: skipped: {s['skipped']}", flush=True)
+                return "skip"
+            built = time.perf_counter()
+            for i in range(self.a.warmup - 1):
+                s.step(*self.pool[i % POOL])
+            _, extra, loss = self.steps(s, 1, self.a.warmup - 1)  # the last warm-up step: its memory
+        except Exception as e:  # noqa: BLE001  one system's failure costs its own numbers
+            if s is not None and not isinstance(s, dict):
+                s.close()
+            s = None
+            release(self.dev)
+            if isinstance(e, torch.cuda.OutOfMemoryError) and len(self.built) > 1:
+                print(f"{name}: out of memory beside {', '.join(self.built)}: retried in a new group", flush=True)
+                return "oom"
+            r.update(error_of(f"{name} (build)", e))
+            self.save()
+            return "error"
+        r.update(s.info, build_s=built - t0, warmup_s=time.perf_counter() - built, warmup_loss=loss)
+        if self.cuda:
+            r["resident_bytes"] = self.allocated() - before
+            r["peak_memory_bytes"] = r["resident_bytes"] + extra
+        self.built[name] = s
+        self.save()
+        return "ok"
+
+    def run(self, groups: list[list[str]]) -> None:
+        for group in groups:
+            for name in group:
+                if not self.fits():
+                    self.measure()
+                if self.add(name) == "oom":
+                    self.measure()
+                    self.add(name)
+            self.measure()
+        for name in list(self.built):
+            self.drop(name)
+
+    def measure(self) -> None:
+        """Rounds over the built systems, then their profiles; then all but torch are freed."""
+        members = list(self.built)
+        if members == ["torch"] and "step_s" in self.rec("torch"):
+            return  # nothing new to compare
+        gi = len(self.result["groups"])
+        self.result["groups"].append(members)
+        times: dict[str, list] = {n: [None] * self.a.rounds for n in members}
+        for r in range(self.a.rounds):
+            for name in members if r % 2 == 0 else members[::-1]:
+                if name not in self.built:
+                    continue  # failed in an earlier round
+                try:
+                    dt, extra, loss = self.steps(self.built[name], self.a.steps, r * self.a.steps)
+                except Exception as e:  # noqa: BLE001
+                    self.drop(name, error_of(f"{name} (round {r})", e))
+                    continue
+                times[name][r] = dt
+                rec = self.rec(name)
+                rec["loss"] = loss
+                if self.cuda:
+                    rec["peak_memory_bytes"] = max(rec["peak_memory_bytes"], rec["resident_bytes"] + extra)
+        for name in members:
+            self.record(name, gi, times[name], times.get("torch", [None] * self.a.rounds))
+        self.save()
+        wanted = members if self.profile is None else [n for n in members if n in self.profile]
+        for name in wanted:
+            if name in self.built and "profile" not in self.rec(name):
+                self.profile_one(name)
+        for name in members:
+            if name != "torch":
+                self.drop(name)
+
+    def record(self, name: str, gi: int, mine: list, base: list) -> None:
+        rec = self.rec(name)
+        rec.setdefault("groups", []).append(gi)
+        rounds = rec.setdefault("rounds_step_s", [])
+        rounds.extend(mine)
+        done = [t for t in rounds if t is not None]
+        if not done:
+            return
+        rec["step_s"] = statistics.median(done)
+        rec["tokens_per_s"] = self.a.micro * self.a.seq / rec["step_s"]
+        fpt = flops_per_token(self.cfg, self.a.seq)
+        rec["mfu"] = rec["tokens_per_s"] * fpt / self.a.peak_flops if self.a.peak_flops else None
+        ratios = [b / t for t, b in zip(mine, base) if t is not None and b is not None]
+        if ratios and name != "torch":
+            rec["ratio_vs_torch"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                     "rounds": ratios}
+            rec["tokens_ratio_vs_torch"] = rec["ratio_vs_torch"]["median"]
+        ratio = rec.get("ratio_vs_torch")
+        print(f"{name}: {rec['tokens_per_s']:.0f} tok/s"
+              + (f", {ratio['median']:.3f}x torch [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else "")
+              + (f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""), flush=True)
+
+    def profile_one(self, name: str) -> None:
+        rec = self.rec(name)
+        try:
+            p = profile_step(self.built[name].step, self.pool[0], self.dev, cprofile_steps=self.a.profile_steps)
+        except Exception as e:  # noqa: BLE001
+            rec["profile"] = error_of(f"{name} (profile)", e)
+            self.save()
+            return
+        rec["profile"] = p
+        step_us = rec.get("step_s", 0) * 1e6
+        self.result["calibration"][name] = {
+            "step_s": rec.get("step_s"), "device_busy_us": p["device_busy_us"],
+            "device_kernel_us": p["device_kernel_us"], "device_busy": p["device_busy"],
+            "profiled_step_us": p["profiled_step_us"],
+            "device_busy_vs_step": p["device_busy_us"] / step_us if self.cuda and step_us else None,
+            "host_python_us": sum(p["python_by_package"].values()), "host_totals": p["host_totals"]}
+        self.save()
+        if p["device_busy"] is not None:
+            print(f"{name}: device busy {p['device_busy']:.0%} of a profiled step, "
+                  f"{self.result['calibration'][name]['device_busy_vs_step']:.0%} of a timed one", flush=True)
 
 
 def train_run(cfg, a, dev, corpus: torch.Tensor) -> dict:
     """zerompi stage 2 on the corpus for a.train_steps steps: the loss must fall."""
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    engine = zerompi.initialize(model, engine_config(a, 2, lr=1e-3))
+    engine = zerompi.initialize(new_model(cfg, dev), engine_config(a.backend, 2, lr=1e-3))
     losses = []
     t0 = time.perf_counter()
     for x, y in batches(cfg, a.micro, a.seq, dev, a.train_steps, corpus):
@@ -155,99 +294,65 @@ def train_run(cfg, a, dev, corpus: torch.Tensor) -> dict:
             "backend": type(engine.comm).__name__}
 
 
-def timed(step, cfg, a, dev) -> dict:
-    data = batches(cfg, a.micro, a.seq, dev, a.warmup + a.steps)
-    for _ in range(a.warmup):
-        step(*next(data))
-    sync(dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step(*next(data))
-    sync(dev)
-    dt = (time.perf_counter() - t0) / a.steps
-    tokens = a.micro * a.seq / dt
-    fpt = flops_per_token(cfg, a.seq)
-    out = {"step_s": dt, "tokens_per_s": tokens, "loss": float(loss.detach()), "flops_per_token": fpt,
-           "mfu": tokens * fpt / a.peak_flops if a.peak_flops else None}
-    if dev.type == "cuda":
-        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
-    return out
-
-
-def flops_per_token(cfg, seq: int) -> int:
-    return 6 * count_params(cfg, non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="gpt-1b", choices=sorted(PRESETS))
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--stages", default="0,1,2,3", help='comma-separated, or "none"')
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--systems", default="torch,fsdp2,stage0,stage1,stage2,stage3",
+                    help="comma-separated (e2e_systems.py), '/' starts a new group; plain torch always, first")
+    ap.add_argument("--warmup", type=int, default=3, help="steps per system after its build (>= 1)")
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds, the order reversed every other one")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per system per round")
+    ap.add_argument("--profile", default="all", help='systems to profile: "all", "none" or a list')
+    ap.add_argument("--profile-steps", type=int, default=3, help="cProfile'd steps per profiled system")
     ap.add_argument("--peak-flops", type=float, default=0.0, help="per device, dense bf16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto", choices=["auto", "nccl", "mpi"], help="zero.comm.backend")
-    ap.add_argument("--profile-stages", default="3", help='profile one step of each of these stages ("none")')
     ap.add_argument("--train-steps", type=int, default=0, help="a stage-2 run on the built-in corpus")
-    ap.add_argument("--offload", action="store_true", help="also stage 2 with offload_optimizer = cpu")
-    ap.add_argument("--stage3-slots", type=int, default=None, metavar="K",
-                    help="also stage 3 with bucket_count K (profiled if stage 3 is): the reducer waits on "
-                         "the host for its oldest bucket once all slots are in flight, so this shows "
-                         "what that wait costs")
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
     a = ap.parse_args(argv)
+    if min(a.warmup, a.rounds, a.steps, a.profile_steps) < 1:
+        ap.error("--warmup, --rounds, --steps and --profile-steps must be >= 1")
+    try:
+        groups = parse_groups(a.systems)
+    except ValueError as e:
+        ap.error(str(e))
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("bench_gpu_e2e: no CUDA device visible", file=sys.stderr)
         return 2
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # torch.cuda.set_device needs the index
     zerompi.runtime.init()
     cfg = PRESETS[a.preset]
     if a.seq > cfg.block_size:
         ap.error(f"--seq {a.seq} > the preset's block_size {cfg.block_size}")
-    result = {"machine": machine_info(), "torch": torch.__version__, "preset": a.preset,
-              "micro": a.micro, "seq": a.seq, "device": str(dev), "backend": a.backend}
+    result = {"machine": machine_info(), "torch": torch.__version__, "preset": a.preset, "micro": a.micro,
+              "seq": a.seq, "device": str(dev), "backend": a.backend, "peak_flops": a.peak_flops,
+              "scheme": {"warmup": a.warmup, "rounds": a.rounds, "steps_per_block": a.steps,
+                         "order": "list order in even rounds, reversed in odd ones", "systems": a.systems}}
     if dev.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(dev)
+        result["gpu_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(key: str, rec: dict) -> None:
-        plain = result.get("torch_plain", {})
-        if "tokens_per_s" in rec and "tokens_per_s" in plain:
-            rec["tokens_ratio_vs_torch"] = rec["tokens_per_s"] / plain["tokens_per_s"]
-        result[key] = rec
-        out.write_text(json.dumps(result, indent=1))  # as it goes: a cut-off run keeps what it has
-        release(dev)
-        if "error" in rec:
-            return
-        print(f"{key}: {rec['tokens_per_s']:.0f} tok/s"
-              + (f", {rec['tokens_ratio_vs_torch']:.3f}x torch" if "tokens_ratio_vs_torch" in rec else "")
-              + (f", MFU {rec['mfu']:.1%}" if rec.get("mfu") else "")
-              + (f", device busy {rec['profile']['device_busy']:.0%} of a profiled step"
-                 if rec.get("profile", {}).get("device_busy") is not None else ""), flush=True)
-
-    profiled = [] if a.profile_stages == "none" else [int(s) for s in a.profile_stages.split(",")]
-    record("torch_plain", guarded("plain torch", lambda: run_torch(cfg, a, dev, bool(profiled))))
-    for s in [] if a.stages == "none" else map(int, a.stages.split(",")):
-        record(f"stage{s}", guarded(f"stage {s}", lambda: run_zerompi(cfg, a, dev, s, s in profiled)))
-    if a.stage3_slots is not None:
-        record(f"stage3_slots{a.stage3_slots}", guarded("stage 3 slots", lambda: run_zerompi(
-            cfg, a, dev, 3, 3 in profiled, slots=a.stage3_slots)))
-    if a.offload:
-        record("stage2_offload", guarded("stage 2 offload", lambda: run_zerompi(cfg, a, dev, 2, False, True)))
+    run = Run(a, cfg, dev, out, result)
+    run.run(groups)
     if a.train_steps:
-        rec = guarded("corpus run", lambda: train_run(cfg, a, dev, load_corpus()))
+        try:
+            rec = train_run(cfg, a, dev, load_corpus())
+        except Exception as e:  # noqa: BLE001
+            rec = error_of("corpus run", e)
         result["train"] = rec
-        out.write_text(json.dumps(result, indent=1))
+        run.save()
         release(dev)
         if "error" not in rec:
             print(f"train: loss {rec['first_quarter_mean']:.3f} -> {rec['last_quarter_mean']:.3f} "
                   f"over {rec['steps']} steps ({'fell' if rec['loss_fell'] else 'DID NOT FALL'})", flush=True)
-    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    end_process_group()
+    failed = [k for k, v in result["systems"].items() if "error" in v or "error" in v.get("profile", {})]
+    failed += ["train"] if "error" in result.get("train", {}) else []
     fell = result.get("train", {}).get("loss_fell", True)  # a run that does not learn fails
     return 1 if failed or not fell else 0
 

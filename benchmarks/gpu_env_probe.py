@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_env_probe.py OUT.json
 
-GPU, driver, compute mode (nvidia-smi), torch and its CUDA, cupy, whether NCCL loads
-(and a one-rank NCCL communicator can be made), whether
+GPU, driver, compute mode (nvidia-smi), torch and its CUDA (and whether torch.distributed
+has NCCL and FSDP2), cupy, whether NCCL loads (and a one-rank NCCL communicator can be
+made), the versions of packages the benchmarks use (DeepSpeed and its needs), whether
 UntypedStorage._swap_data_ptr_ exists (stage 3's gather pool), MPI (the library
 mpi4py loads, mpiexec, CUDA-awareness), nvcc/NVRTC, hostname resolution, and the
 choices the acceptance script takes from them (`decide`: GPU present, e2e backend,
@@ -82,7 +83,14 @@ def torch_info() -> dict:
     import torch
 
     d = {"version": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-         "swap_data_ptr": hasattr(torch.UntypedStorage, "_swap_data_ptr_")}
+         "swap_data_ptr": hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
+         "distributed": torch.distributed.is_available(),
+         "nccl_backend": torch.distributed.is_available() and torch.distributed.is_nccl_available()}
+    try:  # the e2e peer FSDP2
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        d["fsdp2"] = True
+    except ImportError as e:
+        d["fsdp2"] = f"ImportError: {e}"
     if d["cuda_available"]:
         p = torch.cuda.get_device_properties(0)
         d.update(devices=torch.cuda.device_count(), name=p.name, capability=f"{p.major}.{p.minor}",
@@ -136,8 +144,9 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {}
+    # deepspeed and what it needs that the GPU image may lack (gpu_acceptance.sh's peers step)
     for name in ("numpy", "h5py", "transformers", "pytest", "pytest-xdist", "pytest-timeout", "mpich",
-                 "nvidia-nccl-cu12", "nvidia-nccl-cu13"):
+                 "nvidia-nccl-cu12", "nvidia-nccl-cu13", "deepspeed", "pydantic", "typing_extensions", "hjson"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

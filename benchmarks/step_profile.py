@@ -7,10 +7,15 @@ table of kernels cannot show. So a profile holds:
   device_top    the kernels and ops with the most device time (what the old table was)
   device_busy   the union of the kernels' intervals over the profiled step's span: a
                 fraction well under 1 means the GPU waited for the host
+                (device_busy_us: that union; device_kernel_us: the kernels' summed
+                durations, which exceed the union where streams overlap)
   host_top      the ops and CUDA runtime calls with the most host time (launches,
                 cudaStreamSynchronize, ...)
   host_waits    the runtime calls that block the host until the device has caught up
                 (with one cudaDeviceSynchronize of the profile's own, ending the step)
+  host_runtime  every CUDA runtime and driver call (launches, copies, events) with its
+                count and host time; host_totals: counts and host time of all ops, all
+                runtime calls and the kernel launches among them (a host-cost model's inputs)
   host_polls    the runtime calls that ask whether the device is done (a host that spins
                 on them is waiting too: stage 3's reducer does, once its bucket slots are
                 all in flight, see docs/architecture.md)
@@ -33,6 +38,8 @@ import torch
 # form), and polls
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 POLLS = ("cudaEventQuery", "cudaStreamQuery")
+CPU = torch.autograd.DeviceType.CPU
+RUNTIME = "cu"  # the CUDA runtime's calls and the driver's (CuPy launches through cuLaunchKernel)
 
 
 def sync(dev: torch.device) -> None:
@@ -40,8 +47,9 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)  # benchmark timing only, never inside the engine
 
 
-def _busy_us(events) -> float:
-    """Length of the union of the device events' intervals (streams may overlap)."""
+def _busy_us(events) -> tuple[float, float]:
+    """Length of the union of the device events' intervals (streams may overlap), and
+    their summed lengths."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
@@ -49,7 +57,7 @@ def _busy_us(events) -> float:
         if hi > end:
             busy += hi - max(lo, end)
             end = hi
-    return busy
+    return busy, sum(hi - lo for lo, hi in spans)
 
 
 def _short(path: str) -> str:
@@ -92,7 +100,7 @@ def python_top(step, batch, steps: int = 5, top: int = 20) -> tuple[list[dict], 
             {k: v / steps * 1e6 for k, v in sorted(by_pkg.items(), key=lambda kv: -kv[1])})
 
 
-def profile_step(step, batch, dev: torch.device, top: int = 25) -> dict:
+def profile_step(step, batch, dev: torch.device, top: int = 25, cprofile_steps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -102,19 +110,25 @@ def profile_step(step, batch, dev: torch.device, top: int = 25) -> dict:
         step(*batch)
         sync(dev)
     events = prof.events()
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    cpu = [e for e in events if e.device_type == CPU]
     span = (max(e.time_range.end for e in cpu) - min(e.time_range.start for e in cpu)) if cpu else 0.0
     avg = prof.key_averages()
-    busy = _busy_us(events)
+    busy, kernel_sum = _busy_us(events)
 
     def rows(evs, key: str) -> list[dict]:
         return [{"name": e.key, "calls": e.count, "self_us": getattr(e, key)} for e in evs]
 
     by_dev = sorted(avg, key=lambda e: e.self_device_time_total, reverse=True)[:top] if cuda else []
-    py_top, by_pkg = python_top(step, batch)
+    # host events only: kernels' names (cutlass..., cudnn...) can start with "cu" too
+    on_host = [e for e in avg if getattr(e, "device_type", CPU) == CPU]
+    runtime = [e for e in on_host if e.key.startswith(RUNTIME)]
+    ops = [e for e in on_host if not e.key.startswith(RUNTIME)]
+    launches = [e for e in runtime if "LaunchKernel" in e.key]
+    py_top, by_pkg = python_top(step, batch, steps=cprofile_steps)
     return {
         "profiled_step_us": span,
         "device_busy_us": busy,
+        "device_kernel_us": kernel_sum,
         "device_busy": busy / span if span and cuda else None,
         "device_top": rows(by_dev, "self_device_time_total"),
         "host_top": rows(sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:top],
@@ -122,6 +136,12 @@ def profile_step(step, batch, dev: torch.device, top: int = 25) -> dict:
         "host_waits": rows([e for e in avg if e.key.startswith(WAITS) and "Async" not in e.key],
                            "self_cpu_time_total"),
         "host_polls": rows([e for e in avg if e.key.startswith(POLLS)], "self_cpu_time_total"),
+        "host_runtime": rows(sorted(runtime, key=lambda e: e.self_cpu_time_total, reverse=True),
+                             "self_cpu_time_total"),
+        "host_totals": {"ops": sum(e.count for e in ops), "ops_self_us": sum(e.self_cpu_time_total for e in ops),
+                        "runtime_calls": sum(e.count for e in runtime),
+                        "runtime_self_us": sum(e.self_cpu_time_total for e in runtime),
+                        "launches": sum(e.count for e in launches)},  # ops: nested ones counted too
         "python_top": py_top,
         "python_by_package": by_pkg,
     }

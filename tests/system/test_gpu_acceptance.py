@@ -1,13 +1,16 @@
-"""benchmarks/gpu_acceptance.sh, checked on a CPU before it ever meets a GPU (issue 24):
+"""benchmarks/gpu_acceptance.sh, checked on a CPU before it ever meets a GPU (issues 24, 39):
 the --dry-run end to end (GPUs hidden, the GPU tests skip with their reasons, the e2e
 benchmarks run the tiny preset on the CPU, MPI installed from a wheel folder because
-mpi4py is made to load none), a budget that cuts the run off, and the launch cap and
+mpi4py is made to load none, a stand-in deepspeed wheel installed by the peers step and
+seen by the e2e steps alone), a budget that cuts the run off, and the launch cap and
 interrupt handling of tests/support/mpirun.py that the script relies on.
 
-The build-tests step (nvcc/NVRTC compiles, ~40 s here) is skipped with --skip: the
-same tests run in the suite itself (tests/unit/test_kernels_build.py)."""
+The build-tests step (nvcc/NVRTC compiles, ~40 s here) is in the script's default --skip:
+the same tests run in the suite itself (tests/unit/test_kernels_build.py)."""
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import signal
@@ -16,6 +19,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,10 +28,11 @@ from mpirun import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
-STEPS = ["env-probe", "mpi", "kernel-tests", "kernel-bench", "mpi-gpu-tests", "e2e", "train-cmd", "build-tests",
-         "e2e-1b"]
+STEPS = ["env-probe", "mpi", "peers", "kernel-tests", "mpi-gpu-tests", "e2e", "e2e-1b", "train-cmd", "proxy",
+         "offload", "kernel-bench", "build-tests"]
 FILES = {"acceptance.log", "env.json", "kernels_junit.xml", "kernels_bench.json", "mpi_junit.xml", "e2e.json",
-         "build_junit.xml", "e2e_1b.json"}
+         "e2e_1b.json", "host_proxy.json", "offload.json", "offload_delayed.json", "offload_capacity.json"}
+STAND_IN = "stand-in deepspeed of the dry-run test"
 
 
 @pytest.fixture(scope="module")
@@ -38,29 +43,53 @@ def mpich_wheels(tmp_path_factory) -> Path | None:
     return d if r.returncode == 0 else None
 
 
+def stand_in_deepspeed_wheel(folder: Path) -> None:
+    """A wheel named deepspeed whose import fails saying what it is: the peers step must
+    install it and the e2e steps must import it from there."""
+    files = {"deepspeed/__init__.py": f"raise ImportError({STAND_IN!r})\n",
+             "deepspeed-0.0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.0.0\n",
+             "deepspeed-0.0.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n"}
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+    record = "".join(f"{n},sha256={digest(t)},{len(t.encode())}\n" for n, t in files.items())
+    files["deepspeed-0.0.0.dist-info/RECORD"] = record + "deepspeed-0.0.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(folder / "deepspeed-0.0.0-py3-none-any.whl", "w") as z:
+        for n, t in files.items():
+            z.writestr(n, t)
+
+
 def _steps(out: Path) -> list[dict]:
     return json.loads((out / "env.json").read_text())["steps"]
 
 
 def test_dry_run_end_to_end(tmp_path, mpich_wheels):
-    out = tmp_path / "acc"
-    args = ["bash", str(SCRIPT), str(out), "--dry-run", "--skip", "build-tests", "--commit", "c0ffee"]
+    out, wheels = tmp_path / "acc", tmp_path / "wheels"
+    wheels.mkdir()
+    stand_in_deepspeed_wheel(wheels)
+    args = ["bash", str(SCRIPT), str(out), "--dry-run", "--commit", "c0ffee", "--wheels", str(wheels)]
     env = {}
     if mpich_wheels is not None:  # the GPU machine's case: mpi4py loads no MPI library
-        args += ["--wheels", str(mpich_wheels)]
+        for w in mpich_wheels.iterdir():
+            os.symlink(w, wheels / w.name)
         env["MPI4PY_LIBMPI"] = "/nonexistent/libmpi.so.12"
     r = launch(args, timeout=400, env=env)
     assert r.returncode == 0, r.stdout[-5000:]
     log = (out / "acceptance.log").read_text()
-    assert FILES - {"build_junit.xml"} == {p.name for p in out.iterdir()}, sorted(os.listdir(out))
+    assert FILES == {p.name for p in out.iterdir()}, sorted(os.listdir(out))
     steps = _steps(out)
     assert [s["step"] for s in steps] == STEPS, steps
     status = {s["step"]: s["status"] for s in steps}
-    assert status.pop("kernel-bench") == "skip" and status.pop("build-tests") == "skip", steps
+    for name in ("kernel-bench", "build-tests", "offload"):  # no GPU; the default --skip; no GPU
+        assert status.pop(name) == "skip", steps
+    assert status.pop("proxy") in ("ok", "skip"), steps  # skip: bench_host_proxy.py not in this checkout
     assert set(status.values()) == {"ok"}, steps
     assert all(f"STEP {name} " in log for name in STEPS)
     if mpich_wheels is not None:
         assert "no working MPI: MPICH from" in log and "mpi_from_wheels: MPICH Version" in log, log[-3000:]
+    # the summary table ends the log, before the STEP lines
+    assert "=== e2e summary" in log and log.count("system             tok/s") == 2, log[-3000:]
 
     env_probe = json.loads((out / "env.json").read_text())
     assert env_probe["decide"]["gpu"] is False and env_probe["torch"]["cuda_available"] is False
@@ -76,9 +105,18 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
         assert len(why) >= n_gpu and all("CUDA" in w or "cupy" in w for w in why), (junit, why)
     assert json.loads((out / "kernels_bench.json").read_text()) == {"skipped": "no CUDA device visible"}
     e2e = json.loads((out / "e2e.json").read_text())
-    assert all(e2e[f"stage{s}"]["tokens_per_s"] > 0 for s in (0, 3)) and e2e["train"]["loss_fell"], e2e
-    assert e2e["stage3_slots8"]["tokens_per_s"] > 0 and "python_by_package" in e2e["stage3_slots8"]["profile"]
-    assert "stage2_offload" in json.loads((out / "e2e_1b.json").read_text())
+    sy = e2e["systems"]
+    want = ["torch", "fsdp2", "stage0", "stage1", "stage2", "stage3", "stage3_slots8", "deepspeed2", "deepspeed3"]
+    assert list(sy) == want and e2e["train"]["loss_fell"], e2e
+    assert all(sy[n]["ratio_vs_torch"]["median"] > 0 and "python_by_package" in sy[n]["profile"]
+               for n in want[1:7]), sy
+    try:
+        import deepspeed  # noqa: F401  where it is installed, the stand-in is not used
+    except ImportError:
+        assert all(STAND_IN in sy[n]["skipped"] for n in ("deepspeed2", "deepspeed3")), sy
+        assert "peers: ImportError: " + STAND_IN in log
+    e2e_1b = json.loads((out / "e2e_1b.json").read_text())["systems"]
+    assert list(e2e_1b) == want[:6] and all("profile" in v for v in e2e_1b.values()), e2e_1b
 
 
 def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
@@ -94,7 +132,7 @@ def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
     assert steps[0]["status"] == "ok" and "torch" in json.loads((out / "env.json").read_text()), steps
     # 30 s: the probe (minimum 10 s of the 15 s left after the kill grace) runs, no later step
     # (minimum 20 s) starts; every step that did not run says why
-    assert {s["step"] for s in steps if "budget" in s["detail"]} >= {"build-tests", "e2e-1b"}, steps
+    assert {s["step"] for s in steps if "budget" in s["detail"]} >= {"kernel-tests", "e2e", "e2e-1b"}, steps
     assert all(s["status"] == "skip" and s["detail"] for s in steps[1:]), steps
 
 
