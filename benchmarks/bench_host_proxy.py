@@ -321,7 +321,7 @@ def main(argv=None) -> int:
         print(f"bench_host_proxy: no working MPI (the engine's communicators need one, even at world 1): {why}",
               file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     result = {"machine": machine_info(), "torch": torch.__version__, "commit": _commit(),
               "commit_given": os.environ.get("ZEROMPI_COMMIT"), "argv": sys.argv[1:], "micro": a.micro,
               "steps": a.steps, "count_steps": a.count_steps, "storage_swap": a.storage_swap,
@@ -334,6 +334,7 @@ def main(argv=None) -> int:
             m[f"n{w}"] = {k: v for k, v in res.items() if k != "skeleton"}
     result["fit"] = fit.fit_and_predict(result, [Path(p) for p in a.calibrate.split(",") if p] or None)
     result["seconds"] = time.perf_counter() - t0
+    result["load_average"] = {"start": load0, "end": os.getloadavg()}  # other work on the cores: times move
     out = Path(a.out) if a.out else default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
