@@ -165,6 +165,9 @@ def fit_and_predict(result: dict, paths: list[Path] | None = None) -> dict:
                        "leave_one_out_residual": lo} for p, g, lo in zip(pts, got, loo)],
            "predicted": {}}
     out["max_abs_residual"] = max(abs(p["residual"]) for p in out["points"])
+    n = sum(p["run"] != "torch" for p in pts)
+    if n <= len(theta):  # as many constants as points: any numbers fit, nothing is tested
+        out["warning"] = f"{n} measured stages for {len(theta)} constants: the fit is underdetermined"
     for preset, res in result["models"].items():
         if preset not in meas or "torch" not in res:
             continue
@@ -188,7 +191,7 @@ def report(fit: dict) -> None:
         return
     c = fit["constants"]
     print(f"fit: c_op = {c['c_op_us']:.1f} us, c_coll = {c['c_coll_us']:.0f} us, c_hook = {c['c_hook_us']:.0f} us; "
-          f"max |residual| {fit['max_abs_residual']:.3f}")
+          f"max |residual| {fit['max_abs_residual']:.3f}" + (f" ({fit['warning']})" if "warning" in fit else ""))
     for p in fit["points"]:
         lo = p["leave_one_out_residual"]
         print(f"  {p['preset']:7s} {p['run']:6s} measured {p['measured_ratio']:.3f} predicted "
