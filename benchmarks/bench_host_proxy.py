@@ -234,7 +234,7 @@ def run_all(a, world: int) -> dict:
                     for _ in range(a.warmup):
                         step(*batch)
                     rec = count(step, batch, engine, a.count_steps)
-                rec.update(info, seconds=time.perf_counter() - t0)
+                rec.update(info, seconds=time.perf_counter() - t0, optimizer_stand_in=dict(hc.STAND_IN))
                 res[name] = rec
                 if world == 1 or engine is None or engine.rank == 0:
                     print(f"{preset} {name} N={world}: {rec.get('cpu_s', 0) * 1e3:.1f} CPU-ms/step, "
