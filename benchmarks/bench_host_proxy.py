@@ -1,0 +1,363 @@
+"""A CPU proxy for the host overhead of a GPU training step (issue 39): skeleton GPTs with
+the real presets' structure at tiny widths (host_proxy_skeleton.py: the engine lays them out
+into the same parameters, pieces, blocks and units as the real model), so compute is
+negligible and what is left is the host's work: per step, zerompi stages 0-3 against plain
+torch (fp32 parameters, bf16 autocast, clip_grad_norm_(foreach=True), AdamW(fused=True)).
+
+    python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1,2,4
+    python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1 --out P.json
+    python benchmarks/bench_host_proxy.py --calibrate RUN/e2e.json,RUN/e2e_1b.json   # refit on a GPU run
+
+Per run (world 1, in this process; after --warmup steps): wall and process CPU seconds a
+step (and wall by phase), and over --count-steps steps the counts of host_proxy_count.py:
+aten ops dispatched, copies by dtype pair, device-scalar reads by call site, Handle
+test/wait calls by phase (polls in backward), hook calls, collectives by kind and
+phase (engine.comm_stats() deltas; stage 3's gathers go through a duplicate counted in the
+same table), agreement rounds (stage 3: param_store.rounds.held); then Python own time by
+package over --profile-steps steps (step_profile.python_top). --world 2,4: the same counts
+on N ranks (mpiexec through launch.py, this file's --worker mode; rank 0's numbers).
+The engine runs as bench_gpu_e2e.py configures it (engine_config), with the skeleton's
+integer bucket and alignment, and optimizer.implementation = fused, the GPU's choice (its
+CPU executor's arithmetic is device work on a GPU: a fast stand-in, host_proxy_count.py;
+--exact-optimizer runs the numpy references). --storage-swap gpu (default): stage 3 as with
+the GPU machine's torch 2.11, which lacks UntypedStorage._swap_data_ptr_.
+
+The prediction (host_proxy_fit.py, docs/performance.md): the H100 step time of each run from
+these counts and a few constants fitted to the measured H100 runs; `predicted` in the JSON.
+Writes --out (default benchmarks/results/host_proxy_<machine>_<yyyymm>.json) and a PNG
+beside it. Needs a working MPI even at world 1 (the engine's communicators are MPI's);
+without one it stops with one line saying so (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench_env import HERE, ROOT, machine_info  # first: this checkout's zerompi on sys.path
+import host_proxy_count as hc  # noqa: E402
+import host_proxy_fit as fit  # noqa: E402
+import host_proxy_skeleton as hs  # noqa: E402
+
+def mpi_problem() -> str | None:
+    """Why MPI cannot start here (None when it can), from a child process: a broken MPI
+    library can end the process that loads it."""
+    code = "from mpi4py import MPI; MPI.COMM_WORLD.Get_size()"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "starting MPI took over 60 s"
+    if r.returncode == 0:
+        return None
+    lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit code {r.returncode}"
+
+
+def make_batch(gpt, micro: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, gpt.vocab_size, (micro, gpt.block_size + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def torch_run(sk):
+    from zerompi.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(sk.gpt)
+    fused = {"fused": True}
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    except (RuntimeError, ValueError):  # a torch without the fused CPU kernel
+        fused = {"foreach": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    rec, clip = hc.REC, {"foreach": True}
+
+    def step(x, y):
+        rec.set_phase("forward")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        rec.set_phase("after_backward")
+        loss.backward()
+        rec.set_phase("step")
+        try:  # foreach, as on a GPU; a torch without CPU foreach support refuses it
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, **clip)
+        except RuntimeError:
+            clip.pop("foreach", None)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec.set_phase("idle")
+        return loss
+    return step, None, {"optimizer": "AdamW(" + ", ".join(f"{k}=True" for k in fused) + ")", "clip": clip}
+
+
+def engine_run(sk, stage: int, world: int):
+    import zerompi
+    from bench_gpu_e2e import engine_config
+    from zerompi.models.gpt import GPT
+
+    cfg = hs.merged(engine_config(SimpleNamespace(backend="auto"), stage),
+                    {**sk.zero_overrides(stage, world), "optimizer": {"implementation": "fused"}})
+    torch.manual_seed(0)
+    engine = zerompi.initialize(GPT(sk.gpt), cfg)
+    got, want = hs.engine_signature(engine), sk.signatures[(stage, world)]
+    if got != want:  # the proxy is only as good as this
+        raise AssertionError(f"{sk.preset} stage {stage} N = {world}: the engine laid the skeleton out as "
+                             f"{hs.sig_dict(got)}, the real model as {hs.sig_dict(want)}")
+    rec = hc.REC
+
+    def step(x, y):
+        rec.set_phase("forward")
+        _, loss = engine(x, y)
+        rec.set_phase("after_backward")
+        engine.backward(loss)
+        rec.set_phase("step")
+        engine.step()
+        rec.set_phase("idle")
+        return loss
+    return step, engine, {"optimizer": type(engine.optimizer).__name__, "backend": type(engine.comm).__name__,
+                          "layout": hs.sig_dict(got)}
+
+
+def _snapshot(engine) -> Counter:
+    c = Counter({op: int(v["calls"]) for op, v in engine.comm_stats().items()})
+    rounds = getattr(getattr(engine.param_store, "rounds", None), "held", None)
+    if rounds is not None:
+        c["<rounds>"] = rounds
+    return c
+
+
+def count(step, batch, engine, steps: int) -> dict:
+    """The counts of `steps` steps (host_proxy_count), collectives and rounds by phase."""
+    rec, coll = hc.REC, defaultdict(Counter)
+    if engine is not None:
+        last = [_snapshot(engine)]
+
+        def on_switch(old: str) -> None:
+            cur = _snapshot(engine)
+            coll[old].update(cur - last[0])
+            last[0] = cur
+        rec.on_switch = on_switch
+    try:
+        with hc.counting():
+            for _ in range(steps):
+                step(*batch)
+    finally:
+        rec.on_switch = None
+    out = rec.summary(steps)
+    total = Counter()
+    for c in coll.values():
+        total.update(c)
+    rounds = total.pop("<rounds>", 0)
+    out["collectives"] = sum(total.values()) / steps
+    out["collectives_by_kind"] = {k: v / steps for k, v in sorted(total.items())}
+    out["collectives_by_phase"] = {p: sum(v for k, v in c.items() if k != "<rounds>") / steps
+                                   for p, c in coll.items() if p != "idle"}
+    out["agreement_rounds"] = rounds / steps if engine is not None and hasattr(engine.param_store, "rounds") else None
+    return out
+
+
+def measure(step, batch, engine, a) -> dict:
+    from step_profile import python_top
+
+    rec = hc.REC
+    for _ in range(a.warmup):
+        step(*batch)
+    rec.wall.clear()
+    rec.cpu.clear()
+    rec.stand_in_s = 0.0
+    walls, cpus = [], []
+    for _ in range(a.steps):  # one at a time: the median and minimum resist other work on the cores
+        w0, c0 = time.perf_counter(), time.process_time()
+        step(*batch)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    n = a.steps
+    out = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "cpu_min_s": min(cpus),
+           "stand_in_s": rec.stand_in_s / n,
+           "wall_by_phase_s": {p: rec.wall[p] / n for p in hc.PHASES if p in rec.wall},
+           "cpu_by_phase_s": {p: rec.cpu[p] / n for p in hc.PHASES if p in rec.cpu}}
+    out.update(count(step, batch, engine, a.count_steps))
+    if a.profile_steps:
+        top, by_pkg = python_top(step, batch, steps=a.profile_steps, top=12)
+        out["python_by_package_us"], out["python_top"] = by_pkg, top
+    return out
+
+
+@contextlib.contextmanager
+def storage_swaps(mode: str):
+    """--storage-swap gpu: stage 3 takes the path of the GPU machine's torch 2.11, which
+    has no UntypedStorage._swap_data_ptr_ (units resize their own storage instead of
+    borrowing gather-pool slots); native: whatever this torch has."""
+    from zerompi.zero import gather_pool
+
+    orig = getattr(gather_pool, "available", None)
+    if mode == "gpu" and orig is not None:
+        gather_pool.available = lambda: False
+    try:
+        yield
+    finally:
+        if orig is not None:
+            gather_pool.available = orig
+
+
+def run_all(a, world: int) -> dict:
+    """{model: {run: record}} of this process (rank) at `world` ranks."""
+    import zerompi
+
+    zerompi.runtime.init()
+    out = {}
+    with hc.instrumented(fast=not a.exact_optimizer), storage_swaps(a.storage_swap):
+        for preset in a.models:
+            sk = hs.find(preset, worlds=tuple(sorted({1, 2, 4} | set(a.world) | {world})))
+            batch = make_batch(sk.gpt, a.micro)
+            res = {"skeleton": sk.describe()}
+            runs = [("torch", None)] if world == 1 and not a.no_torch else []
+            runs += [(f"stage{s}", s) for s in a.stages]
+            for name, stage in runs:
+                t0 = time.perf_counter()
+                step, engine, info = torch_run(sk) if stage is None else engine_run(sk, stage, world)
+                if world == 1 and not a.counts_only:
+                    rec = measure(step, batch, engine, a)
+                else:  # counts only (N > 1: timings of ranks sharing cores mean little)
+                    for _ in range(a.warmup):
+                        step(*batch)
+                    rec = count(step, batch, engine, a.count_steps)
+                rec.update(info, seconds=time.perf_counter() - t0, optimizer_stand_in=dict(hc.STAND_IN))
+                res[name] = rec
+                if world == 1 or engine is None or engine.rank == 0:
+                    print(f"{preset} {name} N={world}: {rec.get('cpu_s', 0) * 1e3:.1f} CPU-ms/step, "
+                          f"{rec['ops']:.0f} ops, "
+                          f"{rec.get('collectives', 0):.0f} collectives, {rec['device_scalar_reads']:.0f} reads, "
+                          f"{rec['polls_in_backward']:.0f} polls in backward", flush=True)
+                del step, engine
+            out[preset] = res
+    return out
+
+
+def worker(a) -> int:
+    """Under mpiexec: every rank runs; rank 0 prints its counts as one JSON line."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    res = run_all(a, comm.Get_size())
+    if comm.Get_rank() == 0:
+        print("HOST_PROXY_JSON " + json.dumps(res), flush=True)
+    return 0
+
+
+def ranks(a, world: int) -> dict:
+    from launch import launch
+
+    argv = [HERE / "bench_host_proxy.py", "--worker", "--models", ",".join(a.models),
+            "--stages", ",".join(map(str, a.stages)), "--world", ",".join(map(str, a.world)),
+            "--warmup", "1", "--count-steps", str(a.count_steps), "--micro", str(a.micro),
+            "--storage-swap", a.storage_swap] + (["--exact-optimizer"] if a.exact_optimizer else [])
+    job = launch(world, argv, timeout=a.rank_timeout)
+    for line in job.output.splitlines():
+        if line.startswith("HOST_PROXY_JSON "):
+            return json.loads(line.split(" ", 1)[1])
+    raise RuntimeError(f"the {world}-rank counts failed ({job.status}):\n{job.tail()}")
+
+
+def default_out() -> Path:
+    return ROOT / "benchmarks" / "results" / f"host_proxy_{platform.node() or 'host'}_{time.strftime('%Y%m')}.json"
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="gpt2,gpt-1b", help="presets of zerompi/models/gpt_config.py")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--world", default="1", help="world sizes; 1 in this process, others through mpiexec (counts)")
+    ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch (the skeleton's context each)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--count-steps", type=int, default=2, help="steps counted under the dispatch mode")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps under cProfile (0: none)")
+    ap.add_argument("--no-torch", action="store_true", help="skip plain torch")
+    ap.add_argument("--counts-only", action="store_true", help="no timed or profiled steps (tests)")
+    ap.add_argument("--storage-swap", choices=("gpu", "native"), default="gpu",
+                    help="gpu: stage 3 as with the GPU machine's torch 2.11 (no storage swaps); native: this torch")
+    ap.add_argument("--exact-optimizer", action="store_true",
+                    help="run the fused optimizer's numpy references (slow) instead of the fast stand-in")
+    ap.add_argument("--rank-timeout", type=float, default=300.0, help="seconds for each mpiexec job")
+    ap.add_argument("--calibrate", default="", metavar="E2E_JSON[,...]",
+                    help="refit the prediction on these GPU runs (bench_gpu_e2e.py JSON) instead of the "
+                         "H100 runs under benchmarks/results/gpu/")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default: %s)" % default_out().relative_to(ROOT))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.models = [m for m in a.models.split(",") if m]
+    a.stages = [int(s) for s in a.stages.split(",") if s.strip() and s != "none"]
+    a.world = sorted({int(w) for w in a.world.split(",")})
+    from zerompi.models.gpt import PRESETS
+
+    if [m for m in a.models if m not in PRESETS] or not a.models:
+        ap.error(f"--models {','.join(a.models)}: presets of {sorted(PRESETS)}")
+    if any(s not in (0, 1, 2, 3) for s in a.stages) or any(w < 1 for w in a.world):
+        ap.error(f"--stages {a.stages} must be in 0-3 and --world {a.world} >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    torch.set_num_threads(1)  # the host path of a GPU step is one thread; steadier timings
+    if a.worker:
+        return worker(a)
+    why = mpi_problem()
+    if why:
+        print(f"bench_host_proxy: no working MPI (the engine's communicators need one, even at world 1): {why}",
+              file=sys.stderr)
+        return 2
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    result = {"machine": machine_info(), "torch": torch.__version__, "commit": _commit(),
+              "commit_given": os.environ.get("ZEROMPI_COMMIT"), "argv": sys.argv[1:], "micro": a.micro,
+              "steps": a.steps, "count_steps": a.count_steps, "storage_swap": a.storage_swap,
+              "torch_has_storage_swap": hasattr(torch.UntypedStorage, "_swap_data_ptr_"), "models": {}}
+    if 1 in a.world:
+        result["models"] = run_all(a, 1)
+    for w in [w for w in a.world if w > 1]:
+        for preset, res in ranks(a, w).items():
+            m = result["models"].setdefault(preset, {"skeleton": res["skeleton"]})
+            m[f"n{w}"] = {k: v for k, v in res.items() if k != "skeleton"}
+    result["fit"] = fit.fit_and_predict(result, [Path(p) for p in a.calibrate.split(",") if p] or None)
+    result["seconds"] = time.perf_counter() - t0
+    result["load_average"] = {"start": load0, "end": os.getloadavg()}  # other work on the cores: times move
+    out = Path(a.out) if a.out else default_out()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} ({result['seconds']:.1f} s)", flush=True)
+    fit.report(result["fit"])
+    if not a.no_plot:
+        try:
+            fit.plot(result, out.with_suffix(".png"))
+        except ImportError as e:  # the JSON is the result; a machine without matplotlib still gets it
+            print(f"bench_host_proxy: no plot ({e})", file=sys.stderr)
+    return 0
+
+
+def _commit() -> str | None:
+    """git describe of this checkout (a copy sent to a GPU machine may carry a stale .git:
+    gpu_acceptance.sh's --commit is recorded beside it as commit_given)."""
+    try:
+        r = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                           text=True, timeout=10)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
