@@ -41,7 +41,6 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -104,10 +103,10 @@ def torch_run(sk):
 
 def engine_run(sk, stage: int, world: int):
     import zerompi
-    from bench_gpu_e2e import engine_config
+    from e2e_systems import engine_config
     from zerompi.models.gpt import GPT
 
-    cfg = hs.merged(engine_config(SimpleNamespace(backend="auto"), stage),
+    cfg = hs.merged(engine_config("auto", stage),
                     {**sk.zero_overrides(stage, world), "optimizer": {"implementation": "fused"}})
     torch.manual_seed(0)
     engine = zerompi.initialize(GPT(sk.gpt), cfg)
@@ -126,8 +125,11 @@ def engine_run(sk, stage: int, world: int):
         engine.step()
         rec.set_phase("idle")
         return loss
+    # on a GPU the engine reads the step's norm a step late (zero/step_coef.py) where it can:
+    # the read the CPU branch makes here is then no sync there
+    defers = cfg.get("precision") != "fp16" and getattr(engine.optimizer, "takes_device_coef", False)
     return step, engine, {"optimizer": type(engine.optimizer).__name__, "backend": type(engine.comm).__name__,
-                          "layout": hs.sig_dict(got)}
+                          "layout": hs.sig_dict(got), "defers_on_gpu": bool(defers)}
 
 
 def _snapshot(engine) -> Counter:
@@ -295,6 +297,9 @@ def parse(argv=None):
     ap.add_argument("--calibrate", default="", metavar="E2E_JSON[,...]",
                     help="refit the prediction on these GPU runs (bench_gpu_e2e.py JSON) instead of the "
                          "H100 runs under benchmarks/results/gpu/")
+    ap.add_argument("--constants", default="", metavar="PROXY_JSON",
+                    help="predict with the constants fitted in an earlier result (e.g. at the code the GPU "
+                         "runs measured) instead of fitting to this code's counts")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default: %s)" % default_out().relative_to(ROOT))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -332,7 +337,8 @@ def main(argv=None) -> int:
         for preset, res in ranks(a, w).items():
             m = result["models"].setdefault(preset, {"skeleton": res["skeleton"]})
             m[f"n{w}"] = {k: v for k, v in res.items() if k != "skeleton"}
-    result["fit"] = fit.fit_and_predict(result, [Path(p) for p in a.calibrate.split(",") if p] or None)
+    result["fit"] = fit.fit_and_predict(result, [Path(p) for p in a.calibrate.split(",") if p] or None,
+                                        constants=Path(a.constants) if a.constants else None)
     result["seconds"] = time.perf_counter() - t0
     result["load_average"] = {"start": load0, "end": os.getloadavg()}  # other work on the cores: times move
     out = Path(a.out) if a.out else default_out()

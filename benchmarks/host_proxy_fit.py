@@ -55,6 +55,8 @@ def measured(paths: list[Path] | None = None) -> dict:
     out: dict = {}
     for p in paths:
         d = json.loads(Path(p).read_text())
+        if "systems" in d:  # bench_gpu_e2e.py's rounds layout: systems by name, ratios per round
+            d = {"preset": d.get("preset"), **d["systems"], "torch_plain": d["systems"].get("torch", {})}
         plain = d.get("torch_plain", {})
         if "step_s" not in plain or not any("step_s" in d.get(s, {}) for s in STAGES):
             continue  # an offload-only file, or a failed run
@@ -63,7 +65,8 @@ def measured(paths: list[Path] | None = None) -> dict:
         m["torch_s"].append(plain["step_s"])
         for s in STAGES:
             if "step_s" in d.get(s, {}):
-                m["ratio"].setdefault(s, []).append(plain["step_s"] / d[s]["step_s"])
+                r = d[s].get("ratio_vs_torch", {}).get("median")  # paired rounds, where measured so
+                m["ratio"].setdefault(s, []).append(r if r is not None else plain["step_s"] / d[s]["step_s"])
                 m["step_s"].setdefault(s, []).append(d[s]["step_s"])
                 prof = d[s].get("profile")
                 if isinstance(prof, dict) and prof.get("python_by_package"):
@@ -83,6 +86,12 @@ def features(rec: dict) -> np.ndarray:
                       sum(sum(hooks.get(p, {}).values()) for p in g)] for g in (PRE, POST)])
 
 
+def synced(rec: dict) -> bool:
+    """Whether the run's step waits for the device on a GPU: it reads a device scalar here
+    and the engine does not defer that read there (defers_on_gpu)."""
+    return rec["device_scalar_reads"] >= 1 and not rec.get("defers_on_gpu", False)
+
+
 def predict_time(X: np.ndarray, synced: bool, D: float, theta) -> float:
     h_pre, h_post = X @ np.asarray(theta, float)
     return max(D, h_pre) + h_post if synced else max(D, h_pre + h_post)
@@ -99,7 +108,7 @@ def _points(result: dict, meas: dict) -> list[dict]:
                 continue
             r = res[run]
             want = 1.0 if run == "torch" else float(np.mean(meas[preset]["ratio"][run]))
-            pts.append({"preset": preset, "run": run, "X": features(r), "synced": r["device_scalar_reads"] >= 1,
+            pts.append({"preset": preset, "run": run, "X": features(r), "synced": synced(r),
                         "D": D, "measured": want,
                         "runs": [] if run == "torch" else meas[preset]["ratio"][run]})
     return pts
@@ -141,22 +150,30 @@ def host_speed_factor(result: dict, meas: dict) -> float | None:
     return num / den if den > 0 else None
 
 
-def fit_and_predict(result: dict, paths: list[Path] | None = None) -> dict:
+def fit_and_predict(result: dict, paths: list[Path] | None = None, constants: Path | None = None) -> dict:
+    """Fit the constants to this result's counts and the measured runs, or (constants: an
+    earlier result's JSON) take that fit's constants: the measured runs were of the code
+    that earlier result counted, and this code's counts are what is to be predicted."""
     meas = measured(paths)
     pts = _points(result, meas)
     if not any(p["run"] != "torch" for p in pts):
         return {"error": "no measured GPU run matches the proxy's models and stages"}
-    theta = _grid(pts)
+    if constants is not None:
+        c = json.loads(constants.read_text())["fit"]["constants"]
+        theta = (c["c_op_us"] * 1e-6, c["c_coll_us"] * 1e-6, c["c_hook_us"] * 1e-6)
+    else:
+        theta = _grid(pts)
     got = _ratios(pts, theta)[0]
     loo = []  # each zerompi point predicted by a fit to the others
     for i, p in enumerate(pts):
-        if p["run"] != "torch":
+        if p["run"] != "torch" and constants is None:
             rest = pts[:i] + pts[i + 1:]
             loo.append(float(_ratios([p], _grid(rest))[0][0] - p["measured"]))
         else:
             loo.append(None)
     out = {"model": "T = max(D, H_pre) + H_post with a device-scalar read in the step, else max(D, H_pre + H_post); "
                     "H = c_op*L + c_coll*C + c_hook*K per phase group; ratio = D / T",
+           "constants_from": str(constants) if constants is not None else "this fit",
            "constants": {"c_op_us": theta[0] * 1e6, "c_coll_us": theta[1] * 1e6, "c_hook_us": theta[2] * 1e6},
            "host_speed_factor": host_speed_factor(result, meas),
            "fitted_to": sorted({f for m in meas.values() for f in m["files"]}),
@@ -166,7 +183,7 @@ def fit_and_predict(result: dict, paths: list[Path] | None = None) -> dict:
            "predicted": {}}
     out["max_abs_residual"] = max(abs(p["residual"]) for p in out["points"])
     n = sum(p["run"] != "torch" for p in pts)
-    if n <= len(theta):  # as many constants as points: any numbers fit, nothing is tested
+    if n <= len(theta) and constants is None:  # as many constants as points: any numbers fit, nothing is tested
         out["warning"] = f"{n} measured stages for {len(theta)} constants: the fit is underdetermined"
     for preset, res in result["models"].items():
         if preset not in meas or "torch" not in res:
@@ -175,8 +192,8 @@ def fit_and_predict(result: dict, paths: list[Path] | None = None) -> dict:
         pred = {}
         for run in ("torch",) + STAGES:
             if run in res:
-                X, synced = features(res[run]), res[run]["device_scalar_reads"] >= 1
-                T = predict_time(X, synced, D, theta)
+                X = features(res[run])
+                T = predict_time(X, synced(res[run]), D, theta)
                 h = X @ np.asarray(theta)
                 pred[run] = {"step_s": T, "ratio": D / T, "host_pre_s": float(h[0]), "host_post_s": float(h[1]),
                              "features_pre": dict(zip(FEATURES, X[0].tolist())),
