@@ -16,7 +16,8 @@
 #    2 mpi           (cap  45 s) [ 6] MPI from --wheels if none works, then 2 ranks (mpi_smoke.py)
 #    3 peers         (cap  30 s) [ 5] DeepSpeed from --wheels into a temporary --target when
 #                    deepspeed does not import (the e2e steps then see it); skip without wheels
-#    4 kernel-tests  (cap  60 s) [14] kernels_junit.xml: kernels vs numpy, GPU placement, NCCL dtypes
+#    4 kernel-tests  (cap  60 s) [14] kernels_junit.xml: kernels vs numpy, GPU placement, NCCL dtypes,
+#                    the update's coefficient on the device (test_step_coef.py)
 #    5 mpi-gpu-tests (cap 150 s) [76] mpi_junit.xml: every MPI test that needs the GPU (parity
 #                    N = 1 NCCL, N = 2-3 sharing the GPU, no device sync in a step, offload,
 #                    staged and NCCL collectives, device binding); -n 4 with pytest-xdist
@@ -211,7 +212,8 @@ PEERS_PATH="${PEERS:+$PEERS:}$PYTHONPATH"
 pytest_step kernel-tests 60 20 kernels_junit.xml tests/unit/test_kernels_gpu.py \
     tests/unit/test_placement.py::test_pinned_host_placement \
     tests/unit/test_placement.py::test_cuda_placement_allocates_on_the_device \
-    tests/unit/test_nccl_module.py::test_nccl_dtype_map_matches_cupy
+    tests/unit/test_nccl_module.py::test_nccl_dtype_map_matches_cupy \
+    tests/unit/test_step_coef.py
 
 # 5 ---------------------------------------------------------------- MPI tests on the GPU
 if [ "$MPI_OK" = 1 ]; then
@@ -268,7 +270,8 @@ fi
 # 9 ---------------------------------------------------------------- host-cost proxy (CPU)
 if ! script_absent proxy benchmarks/bench_host_proxy.py "$OUT/host_proxy.json"; then
     if [ "$DRY" = 1 ]; then pargs=(--models tiny --stages 0,3); else pargs=(--models gpt2,gpt-1b --stages 0,1,2,3); fi
-    step proxy 60 20 "$PY" benchmarks/bench_host_proxy.py "${pargs[@]}" --world 1 --out "$OUT/host_proxy.json"
+    step proxy 60 20 "$PY" benchmarks/bench_host_proxy.py "${pargs[@]}" --world 1 --no-plot \
+        --constants benchmarks/results/host_proxy_baseline_vm_202611.json --out "$OUT/host_proxy.json"
 fi
 
 # 10 --------------------------------------------------------------- offloaded optimizer
