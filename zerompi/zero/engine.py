@@ -34,6 +34,7 @@ from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduc
 from . import flat, grads, load_full, state_io
 from . import groups as groups_mod
 from . import layout as layout_mod
+from . import offload as offload_mod
 from .layout import PARTS
 from .params import sync_untracked
 from .state import ShardState
@@ -65,10 +66,12 @@ def _check_dims_device(dims, placement: Placement) -> None:
                          "device=...) or let initialize() build it (dims=None)")
 
 
-def _optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str):
+def _optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str, staged=()):
     """zero.optimizer.implementation: the table-driven fused kernels (one launch per
     step for the shard; on the host their numpy references) or torch ops per segment.
-    Offloaded, fused means torch's fused CPU AdamW (the default with a GPU model)."""
+    Offloaded, fused means torch's fused CPU AdamW; the staged pipeline: zero/offload.py."""
+    if state.staging:
+        return offload_mod.host_optimizer(segments, state, groups, n, *staged)
     if state.offload:
         if (impl == "fused" or (impl == "auto" and state.placement.is_cuda)) and host_fused.available():
             return host_fused.HostFusedAdamW(segments, state.views, groups, n)
@@ -124,7 +127,8 @@ class ZeroEngine:
         self.layout = layout = layout_mod.flat_layout(plan, sg.size, cfg, bucket, at_least, sg.replicas)
         own = layout_mod.owned(layout, cfg.stage, sg.shard_rank)
         self.state = layout_mod.shard_state(layout, own, placement, cfg.stage, cfg.precision,
-                                            cfg.grad_accum_dtype, offload=cfg.offload_optimizer == "cpu")
+                                            cfg.grad_accum_dtype, offload=cfg.offload_optimizer == "cpu",
+                                            staging=offload_mod.staging_pairs(cfg, placement))
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        sg.shard, cfg, owns_all=parts.owns_all, groups=sg)
         sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
@@ -132,13 +136,14 @@ class ZeroEngine:
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
         self.optimizer = _optimizer(build_segments(layout, own, group_of), self.state, groups,
-                                    len(self.params), cfg.optimizer.implementation)
+                                    len(self.params), cfg.optimizer.implementation, (cfg, dims))
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
         self.reducer = grads.GradReducer(self.params, layout, sg.reduce, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype),
                                          poll=self.param_store.serve)
+        self.offload = offload_mod.attach(self)  # the staged offload pipeline, or None
         if self.param_store.serve is not None and dims.tp.size > 1:
             # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may
             # need this rank in a stage-3 round first (a cycle over dp x tp otherwise)
@@ -224,6 +229,8 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return False
+        if self.offload is not None:
+            return self.offload.step()  # zero/offload.py: norm, update and uploads of its own
         scale = self.scaler.scale
         if self.state.offload:
             self.state.offload_grads()  # sync (GPU): device -> host before the host update
@@ -254,6 +261,10 @@ class ZeroEngine:
         self._zero_grads()
         self.global_steps += 1
         return True
+
+    @property
+    def offload_phases(self) -> dict:  # the last update's phases, threads, bytes (zero/offload.py)
+        return self.offload.phases() if self.offload is not None else {}
 
     def _fence_state(self) -> None:
         """Before the master weights or moments change: wait until an asynchronous
@@ -293,6 +304,7 @@ class ZeroEngine:
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
         (on every rank with all_ranks=True); an empty dict on the other ranks."""
+        offload_mod.settle(self)
         tp, split = self.dims.tp, self.tp_grads.any_split
         tracked = self.param_store.full_state(all_ranks or split)
         if split:  # sync over tp: split parameters assembled at full shape, padding cut
@@ -309,12 +321,14 @@ class ZeroEngine:
 
     def gathered(self, params, modifier_rank: int | None = None):
         """Temporary full access (zerompi.GatheredParameters(..., engine=engine))."""
+        offload_mod.settle(self, write=modifier_rank is not None)
         if modifier_rank is not None:
             self._fence_state()
         return self.param_store.gathered(params, modifier_rank)
 
     def load_full_state_dict(self, state_dict: dict | None, strict: bool = True):
         """Full weights from rank 0's state_dict (others pass None), one tensor at a time."""
+        offload_mod.settle(self, write=True)
         self._fence_state()
         return load_full.load_full_state_dict(self, state_dict, strict)
 
@@ -358,6 +372,7 @@ class ZeroEngine:
         return checkpoint.load(self, directory, tag=tag)
 
     def export_state(self, views: bool = False) -> dict:
+        offload_mod.settle(self)
         return state_io.export_state(self, views)
 
     def exported_elements(self) -> int:
@@ -367,6 +382,7 @@ class ZeroEngine:
         return state_io.needed_pieces(self)
 
     def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
+        offload_mod.settle(self, write=True)
         self._fence_state()
         state_io.import_state(self, fetch, steps, param_groups, scaler, counters)
 

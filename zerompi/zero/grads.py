@@ -87,6 +87,7 @@ class GradReducer:
         self.completed: list[int] = []   # blocks in the order they became complete
         self.blocks_left = [0] * len(self.params)
         self.poll = poll                 # called while waiting for a bucket (stage 3: serve)
+        self.block_done: "Callable[[int], None] | None" = None  # block k's result written (offload)
         self.handles = [p.register_post_accumulate_grad_hook(weakly(self, "_accumulated", i))
                         for i, p in enumerate(self.params)]
         self.attach_grads()
@@ -205,3 +206,5 @@ class GradReducer:
             else:
                 self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res)
         self.slots_free.append(slot)
+        if self.block_done is not None:
+            self.block_done(k)
