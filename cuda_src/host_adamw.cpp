@@ -11,6 +11,7 @@
 // (no OpenMP: no spinning pool competing with the training thread once a pass is done);
 // the caller waits for each upload tile as it completes (hp_wait) while the pass goes on.
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -41,6 +42,9 @@ struct Job {
   const float* rows;
   int64_t ntiles;
   std::atomic<int64_t> next{0};
+  std::atomic<int64_t> tiles_left{0};
+  std::chrono::steady_clock::time_point t0;
+  double seconds = 0.0;                    // launch to the last tile written, under mu
   std::vector<std::atomic<int64_t>> left;  // per tile: units not finished
   std::vector<char> done;                  // per tile, under mu
   std::mutex mu;
@@ -84,6 +88,8 @@ void work(Job* j) {
     if (j->left[u[3]].fetch_sub(1) == 1) {
       std::lock_guard<std::mutex> lk(j->mu);
       j->done[u[3]] = 1;
+      if (--j->tiles_left == 0)
+        j->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - j->t0).count();
       j->cv.notify_all();
     }
   }
@@ -127,8 +133,11 @@ void* hp_launch(float* master, float* exp_avg, float* exp_avg_sq, const void* gr
   j->grad = grad; j->out = out; j->gtag = gtag; j->otag = otag;
   j->units = units; j->nunits = nunits; j->rows = rows; j->ntiles = ntiles;
   for (int64_t k = 0; k < nunits; ++k) j->left[units[HP_UNIT_COLS * k + 3]].fetch_add(1);
-  for (int64_t t = 0; t < ntiles; ++t)
+  j->t0 = std::chrono::steady_clock::now();
+  for (int64_t t = 0; t < ntiles; ++t) {
     if (j->left[t].load() == 0) j->done[t] = 1;  // a tile of no units is done already
+    else ++j->tiles_left;
+  }
   for (int t = 0; t < threads; ++t) j->threads.emplace_back(fn, j);
   return j;
 }
@@ -140,13 +149,14 @@ void hp_wait(void* h, int64_t tile) {
   j->cv.wait(lk, [&] { return j->done[tile] != 0; });
 }
 
-// Blocks until the pass is over, then frees it.
-void hp_join(void* h) {
+// Blocks until the pass is over, then frees it; returns its seconds (launch to the last
+// tile written).
+double hp_join(void* h) {
   Job* j = static_cast<Job*>(h);
   for (auto& t : j->threads) t.join();
+  const double s = j->seconds;
   delete j;
+  return s;
 }
-
-int hp_version() { return 1; }
 
 }  // extern "C"

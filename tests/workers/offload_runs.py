@@ -26,11 +26,11 @@ def working(engine) -> torch.Tensor:
 
 
 def run(stage: int, delayed: bool, emulate: bool = False, steps: int = 5, rank: int = 0, world: int = 1,
-        read_every_step: bool = False, model=None, **offload) -> dict:
+        read_every_step: bool = False, device: str = "cpu", **offload) -> dict:
     """Losses, norms and the final fp32 parameters (rank 0) of a tiny GPT; emulate: the
     reference (no delay in the engine, the delay applied to its working parameters)."""
     torch.manual_seed(0)
-    engine = zerompi.initialize(model or GPT(PRESETS["tiny"]), config(stage, delayed, **offload))
+    engine = zerompi.initialize(GPT(PRESETS["tiny"]).to(device), config(stage, delayed, **offload))
     gen = torch.Generator().manual_seed(1)
     losses, norms, stale = [], [], None
     for step in range(steps):
@@ -39,7 +39,7 @@ def run(stage: int, delayed: bool, emulate: bool = False, steps: int = 5, rank: 
             if stale is not None:
                 working(engine).copy_(stale)  # the parameters before the previous update
             stale = fresh
-        x = torch.randint(0, 256, (4 * world, 32), generator=gen)
+        x = torch.randint(0, 256, (4 * world, 32), generator=gen).to(device)
         for micro in range(2):
             sl = slice((2 * rank + micro) * 2, (2 * rank + micro) * 2 + 2)
             _, loss = engine(x[sl], x[sl])

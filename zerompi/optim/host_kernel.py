@@ -96,6 +96,7 @@ def library():
             lib.hp_launch.argtypes = [p, p, p, p, p, i32, i32, p, i64, p, i64, i32]
             lib.hp_wait.argtypes = [p, i64]
             lib.hp_join.argtypes = [p]
+            lib.hp_join.restype = ctypes.c_double
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             lib, why = None, f"{type(e).__name__}: {e}"
         _state["lib"], _state["reason"] = lib, why
@@ -117,17 +118,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class Job:
     """A pass started on its own threads: wait(tile) blocks until that upload tile is
-    written (the GIL released), join() until all is, and frees it. Holds the tables."""
+    written (the GIL released), join() until all is, and frees it; `seconds` is then the
+    pass's own time (launch to its last tile). Holds the tables meanwhile."""
 
     def __init__(self, lib, handle, keep):
         self.lib, self.handle, self.keep = lib, handle, keep
+        self.seconds = None
 
     def wait(self, tile: int) -> None:
         self.lib.hp_wait(self.handle, tile)
 
     def join(self) -> None:
         if self.handle is not None:
-            self.lib.hp_join(self.handle)
+            self.seconds = self.lib.hp_join(self.handle)
             self.handle, self.keep = None, None
 
     def __del__(self):

@@ -21,6 +21,7 @@ Two kernels, one interface (launch() -> a job with wait(tile) and join()):
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -67,7 +68,7 @@ class _TorchJob:
 
     def __init__(self, run_tile, ntiles: int, background: bool):
         self.run_tile, self.ntiles, self.next = run_tile, ntiles, 0
-        self.thread = None
+        self.thread, self.seconds, self.t0 = None, None, time.perf_counter()
         if background:
             self.thread = threading.Thread(target=self._upto, args=(ntiles - 1,), name="zerompi-host-pass",
                                            daemon=True)
@@ -77,6 +78,8 @@ class _TorchJob:
         while self.next <= tile:
             self.run_tile(self.next)
             self.next += 1
+            if self.next == self.ntiles:
+                self.seconds = time.perf_counter() - self.t0
 
     def wait(self, tile: int) -> None:
         if self.thread is not None:

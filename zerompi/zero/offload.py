@@ -114,6 +114,7 @@ class Offload:
         engine.reducer.block_done = self._block_done
         self._phases: dict = {}
         self._events: dict = {}
+        self.pass_seconds = None  # the delayed pass's own time, once joined
 
     # ------------------------------------------------------------ backward
     def _block_done(self, k: int) -> None:
@@ -186,6 +187,7 @@ class Offload:
             self.io.upload(t, out)
         job.join()
         ph["host_update"] = time.perf_counter() - t0
+        ph["host_pass"] = job.seconds
         self.io.uploads_queued(slot)
         self.eng.param_store.after_update()  # sync: all-gather of the updated chunks
         ph["after_update"] = time.perf_counter() - t0 - ph["host_update"]
@@ -199,7 +201,8 @@ class Offload:
         t0 = time.perf_counter()
         if job is not None:
             job.join()
-        ph["host_update_wait"] = time.perf_counter() - t0
+        ph["host_update_wait"] = time.perf_counter() - t0  # what the pass still needed
+        ph["host_pass"] = self.pass_seconds = job.seconds if job is not None else self.pass_seconds
         out = self.staging[slot][1]
         for t in range(self.opt.ntiles):
             self.io.upload(t, out)
@@ -217,6 +220,7 @@ class Offload:
             return
         if self.pending[0] is not None:
             self.pending[0].join()
+            self.pass_seconds = self.pending[0].seconds
             self.pending[0] = None
         if write:
             self._apply_pending({})
