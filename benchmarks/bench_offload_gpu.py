@@ -18,10 +18,11 @@ error and the others still run:
             forward+backward take at least the measured host update (the batch is
             micro x G x seq tokens), then plain and offload.delayed_update = true at it
   capacity  (--capacity) the largest GPT of LADDER whose engine builds and runs one step
-            (micro 1, seq 512) with and without offload; a size whose host memory need
-            (16 bytes per parameter, with the staging) exceeds 85% of MemAvailable is not
-            tried (the machine could kill the run) and reported as limited by host memory;
-            stops when --capacity-budget seconds are spent
+            (micro 1, seq 512) with and without offload: from the largest a memory model
+            predicts to fit, up while it fits, down while not; a size whose host memory
+            need (16 bytes per parameter with the staging) exceeds 85% of MemAvailable is
+            not tried (the machine could kill the run) and reported as limited by host
+            memory; no probe starts after --capacity-budget seconds
 """
 from __future__ import annotations
 
@@ -170,51 +171,77 @@ def rates(rec: dict, mach: dict) -> dict:
     return out
 
 
-def capacity(a, dev, budget: float) -> dict:
-    """Largest LADDER model that builds and steps, without and with offload."""
+def capacity(dev, budget: float, known: dict) -> dict:
+    """The largest LADDER model that builds and steps, without and with offload: starting
+    from the largest one the memory model predicts to fit, up while it fits, down while
+    it does not (a few probes: each costs seconds). `known`: {mode: fits} for the preset
+    already run."""
     t_end = time.perf_counter() + budget
     if dev.type != "cuda":
         return {"skipped": "the capacity probe needs a GPU"}
-    avail = (mem_info().get("MemAvailable") or 0)
-    gpu = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else avail
+    avail = mem_info().get("MemAvailable") or 0
+    gpu = torch.cuda.get_device_properties(dev).total_memory
     out = {"gpu_bytes": gpu, "host_available_bytes": avail, "micro": 1, "seq": 512, "modes": {}}
+    names = sorted(LADDER, key=lambda k: count_params(LADDER[k]))
+    small = argparse.Namespace(micro=1, seq=512, warmup=0, steps=1)
     for offload in (False, True):
         mode = "offload" if offload else "plain"
-        tried = out["modes"][mode] = {"tried": {}}
-        # device bytes per parameter while the engine builds (fp32 model, bf16 flat, grads,
-        # fp32 scratch) plus the optimizer states without offload; host: master, moments, staging
-        need_dev, need_host = (12, 16) if offload else (24, 0)
-        order = sorted(LADDER, key=lambda k: count_params(LADDER[k]))
-        for name in order:
+        rec = out["modes"][mode] = {"tried": {}, "largest": None}
+        # bytes per parameter while the engine builds: on the device the fp32 model, the bf16
+        # flat parameters and gradients, the fp32 scratch, and without offload the fp32
+        # master and moments; on the host (offload) master, moments and the bf16 staging
+        per_dev, per_host = (12, 16) if offload else (24, 0)
+
+        def host_ok(name):
+            return per_host * count_params(LADDER[name]) <= 0.85 * avail
+
+        fits_pred = [k for k in names if per_dev * count_params(LADDER[k]) <= gpu and host_ok(k)]
+        i = names.index(fits_pred[-1]) if fits_pred else 0
+        seen = {}
+        while 0 <= i < len(names):
+            name = names[i]
             n = count_params(LADDER[name])
-            if offload and need_host * n > 0.85 * avail:
-                tried[name] = {"fits": False, "limit": f"host memory: needs ~{need_host * n / GB:.0f} GB, "
-                               f"{avail / GB:.0f} GB available (not tried)"}
+            if name in known.get(mode, {}):
+                ok = known[mode][name]
+                rec["tried"][name] = {"fits": ok, "params": n, "from": "the main run"}
+            elif offload and not host_ok(name):
+                rec["tried"][name] = {"fits": False, "params": n, "limit": f"host memory: needs ~{per_host * n / GB:.0f}"
+                                      f" GB, {avail / GB:.0f} GB available (not tried: the machine could kill the run)"}
+                ok = False
+            elif time.perf_counter() > t_end:
+                rec["tried"][name] = {"fits": None, "limit": "capacity budget spent (not tried)"}
                 break
-            if time.perf_counter() > t_end:
-                tried[name] = {"fits": None, "limit": "capacity budget spent (not tried)"}
-                break
-            t0 = time.perf_counter()
-            try:
-                small = argparse.Namespace(micro=1, seq=512, warmup=0, steps=1)
-                r = run(LADDER[name], small, dev, offload)
-                tried[name] = {"fits": True, "params": n, "seconds": time.perf_counter() - t0,
-                               "peak_memory_bytes": r.get("peak_memory_bytes"), "step_s": r["step_s"]}
-                tried["largest"] = name
-            except torch.cuda.OutOfMemoryError as e:
-                tried[name] = {"fits": False, "params": n, "limit": f"GPU memory ({str(e).splitlines()[0][:160]})",
-                               "predicted_device_bytes": need_dev * n}
+            else:
+                t0 = time.perf_counter()
+                try:
+                    r = run(LADDER[name], small, dev, offload)
+                    rec["tried"][name] = {"fits": True, "params": n, "seconds": time.perf_counter() - t0,
+                                          "peak_memory_bytes": r.get("peak_memory_bytes"), "step_s": r["step_s"]}
+                    ok = True
+                except torch.cuda.OutOfMemoryError as e:
+                    rec["tried"][name] = {"fits": False, "params": n, "seconds": time.perf_counter() - t0,
+                                          "limit": "GPU memory: " + str(e).splitlines()[0][:160],
+                                          "predicted_device_bytes": per_dev * n}
+                    ok = False
                 release(dev)
-                break
-            finally:
-                release(dev)
+            seen[name] = ok
+            if ok:
+                rec["largest"] = name if rec["largest"] is None or count_params(LADDER[name]) > \
+                    count_params(LADDER[rec["largest"]]) else rec["largest"]
+            step = 1 if ok else -1
+            if (names[i + step] if 0 <= i + step < len(names) else None) in seen:
+                break  # the boundary between a fit and a failure is found
+            i += step
+        if rec["largest"] is not None:
+            bigger = names[names.index(rec["largest"]) + 1:]
+            rec["limit"] = rec["tried"].get(bigger[0], {}).get("limit") if bigger else "the ladder's end"
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-1b", choices=sorted(PRESETS))
-    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
@@ -274,7 +301,9 @@ def main(argv=None) -> int:
             res["delayed_ratio_vs_plain"] = d["step_s"] / p["step_s"]
             res["delayed_batch"] = f"micro {a.micro} x gas {gas} x seq {a.seq} = {a.micro * gas * a.seq} tokens"
     if a.capacity:
-        part("capacity", lambda: capacity(a, dev, a.capacity_budget))
+        known = {m: {a.preset: "step_s" in res.get(m, {})} for m in ("offload", "plain")
+                 if a.preset in LADDER and m in res}
+        part("capacity", lambda: capacity(dev, a.capacity_budget, known))
     off = res.get("offload", {})
     res["accept"] = {"offload_step_s<=0.8": off.get("step_s", 1e9) <= 0.8,
                      "peak_gpu_gb<=11.7": off.get("peak_memory_bytes", 1e18) <= 11.7e9,

@@ -17,7 +17,7 @@ from zerompi.models.gpt import GPT, PRESETS
 
 from mpirun import WORKERS
 
-sys.path.insert(0, str(WORKERS))
+sys.path.append(str(WORKERS))  # last: tests/workers/batch.py must not shadow support/batch.py
 from offload_runs import config, run, working  # noqa: E402
 
 
@@ -131,3 +131,73 @@ def test_staged_and_delayed_on_the_gpu(cuda, stage):
     assert ph["d2h_busy"] > 0 and ph["upload_busy"] > 0 and ph["kernel"] in ("compiled", "torch"), ph
     st = b["engine"].state
     assert all(t.is_pinned() for pair in st.staging for t in pair) and not st.master.is_pinned()
+
+
+class _Stream:
+    """Stands in for a torch.cuda.Stream: records what the copy path asks of it."""
+
+    def __init__(self, log, name="side"):
+        self.log, self.name, self.device = log, name, torch.device("cpu")
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, ev):
+        self.log.append(f"{self.name} waits event")
+
+    def synchronize(self):
+        self.log.append(f"host waits {self.name}")
+
+
+class _Event:
+    def __init__(self, enable_timing=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def synchronize(self):
+        assert self.recorded
+
+    def elapsed_time(self, other):
+        return 2.0
+
+
+def test_gpu_copy_path_with_stand_in_streams(monkeypatch):
+    """The CUDA branch of offload_io.Transfers, run on host tensors with streams and events
+    stood in: every gradient block lands at its shard offset after its stream waited for
+    the training stream, every upload tile lands at its device offset, the training
+    stream waits for both before it zeroes gradients or reads parameters, and a step's
+    copies are timed."""
+    from zerompi.zero import offload_io
+
+    log = []
+    training = _Stream(log, "training")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda dev: _Stream(log))
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: training)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    e = run(1, delayed=False, steps=1)["engine"]
+    st = e.state
+    monkeypatch.setattr(st, "placement", type("P", (), {"is_cuda": True, "device": torch.device("cpu")})())
+    io = offload_io.Transfers(st, 700)
+    io.d2h.name, io.h2d.name = "d2h", "h2d"
+    st.flat_grad.copy_(torch.randn(st.flat_grad.numel()))
+    staging = torch.zeros(st.owned, dtype=st.grad_dtype)
+    for k in io.blocks:
+        io.grad_block(k, staging)
+    want = torch.cat([st.flat_grad[c.flat_lo:c.flat_hi] for c in sorted(st.own, key=lambda c: c.shard_lo)])
+    assert torch.equal(staging, want) and log.count("d2h waits training") == len(io.blocks)
+    io.grads_landed()
+    io.release_grads()
+    out = torch.randn(st.owned).to(st.param_dtype)
+    for t in range(len(io.tiles)):
+        io.upload(t, out)
+    io.uploads_queued(0)
+    io.slot_free(0)
+    assert len(io.tiles) > 1 and log.count("h2d waits training") == 1
+    assert log[-4:] == ["host waits d2h", "training waits d2h", "h2d waits training", "training waits event"]
+    got = torch.cat([st.flat_param[c.flat_lo:c.flat_hi] for c in sorted(st.own, key=lambda c: c.shard_lo)])
+    assert torch.equal(got, out)
+    busy = offload_io.busy_seconds(io.take_events())
+    assert busy == pytest.approx({"d2h": 2e-3 * len(io.blocks), "upload": 2e-3 * len(io.tiles)})

@@ -164,7 +164,16 @@ class Offload:
         staging may still be filling)."""
         e = self.eng
         w = e.tp_grads.weights
-        norm_sq = self.norm(w) if self.norm is not None else self.opt.grad_sq_norm(w)
+        norm_sq = None
+        if self.norm is not None:
+            try:
+                norm_sq = self.norm(w)
+            except Exception as err:  # noqa: BLE001  (e.g. NVRTC cannot build the kernel here)
+                console.say(f"offload: the device norm kernel failed ({type(err).__name__}: {err}); "
+                            "the optimizer's per-segment norms instead")
+                self.norm = None
+        if norm_sq is None:
+            norm_sq = self.opt.grad_sq_norm(w)
         with watchdog.waiting("device sync (gradient norm)"):
             local = float(norm_sq)
         local /= e.world if e.parts.owns_all else e.groups.replicas

@@ -128,6 +128,9 @@ class Transfers:
 
 def busy_seconds(events: dict[str, list]) -> dict[str, float]:
     """Seconds the copy engines spent on each kind of copy (waits for those copies)."""
+    for evs in events.values():
+        for _, b in evs:
+            b.synchronize()  # elapsed_time raises on an event not yet reached
     return {kind: sum(a.elapsed_time(b) for a, b in evs) / 1e3 for kind, evs in events.items()}
 
 
