@@ -246,7 +246,8 @@ class Offload:
 
     def phases(self) -> dict:
         """The last optimizer step's seconds by phase (host clock; the copy engines' busy
-        time from CUDA events: d2h_busy, upload_busy), threads, kernel and bytes."""
+        time from CUDA events: d2h_busy, upload_busy, None while those copies still run),
+        threads, kernel and bytes. Never waits for the device."""
         ph = dict(self._phases)
         if self.io.cuda and ph:
             busy = busy_seconds(self._events)

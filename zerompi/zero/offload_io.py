@@ -126,12 +126,11 @@ class Transfers:
         return out
 
 
-def busy_seconds(events: dict[str, list]) -> dict[str, float]:
-    """Seconds the copy engines spent on each kind of copy (waits for those copies)."""
-    for evs in events.values():
-        for _, b in evs:
-            b.synchronize()  # elapsed_time raises on an event not yet reached
-    return {kind: sum(a.elapsed_time(b) for a, b in evs) / 1e3 for kind, evs in events.items()}
+def busy_seconds(events: dict[str, list]) -> dict[str, float | None]:
+    """Seconds the copy engines spent on each kind of copy; None for a kind whose copies
+    are not all done yet (asking never waits for them)."""
+    return {kind: (sum(a.elapsed_time(b) for a, b in evs) / 1e3 if all(b.query() for _, b in evs) else None)
+            for kind, evs in events.items()}
 
 
 class DeviceNorm:
