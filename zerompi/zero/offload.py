@@ -110,6 +110,9 @@ class Offload:
                 self.norm = DeviceNorm(st, self.opt.segments)
             except ImportError:  # no CuPy: the optimizer's per-segment norms, on the device too
                 pass
+            except Exception as err:  # noqa: BLE001  (a CuPy that cannot use this GPU)
+                console.say(f"offload: no device norm kernel ({type(err).__name__}: {err}); "
+                            "the optimizer's per-segment norms instead")
         self.boundary = weakref.WeakMethod(engine.is_boundary)
         engine.reducer.block_done = self._block_done
         self._phases: dict = {}
