@@ -9,10 +9,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # cuda_src/ (top level in the repo) ships inside the package as zerompi/cuda_src, so
-    # installed copies can compile the kernels at run time.
+    # installed copies can compile the kernels (and the offload's host pass, *.cpp) at run time.
     packages=find_packages(include=["zerompi", "zerompi.*"]) + ["zerompi.cuda_src"],
     package_dir={"zerompi.cuda_src": "cuda_src"},
-    package_data={"zerompi.cuda_src": ["*.cu", "*.cuh"]},
+    package_data={"zerompi.cuda_src": ["*.cu", "*.cuh", "*.cpp"]},
     install_requires=[
         "mpi4py>=4.0",
         "numpy>=1.24",

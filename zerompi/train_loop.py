@@ -247,6 +247,8 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
                   "step_time": dt, "mfu": flops_per_token * B * T / dt / (peak * dims.world.size),
                   "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
                   "time": time.perf_counter() - t_start}
+        # the offloaded optimizer's phases (docs/offload.md), flat: offload_host_pass, ...
+        record.update({f"offload_{k}": v for k, v in engine.offload_phases.items()})
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or last):
             record["val_loss"] = evaluate(engine, val_data, cfg, dims, device)
 

@@ -40,6 +40,7 @@ ap.add_argument("--device", default="cpu", help="cpu | cuda (every rank on cuda:
 ap.add_argument("--backend", default="auto", help="comm.backend")
 ap.add_argument("--offload", default="none", help="offload_optimizer")
 ap.add_argument("--impl", default="auto", help="optimizer.implementation")
+ap.add_argument("--offload-cfg", default="{}", help="the offload section, as JSON")
 a = ap.parse_args()
 
 world = MPI.COMM_WORLD
@@ -69,7 +70,7 @@ for stage, init in runs:
            "stage3": {"persistence_threshold": a.persist, "unit_classes": a.unit_classes,
                       "unit_min_elements": a.unit_min, "coalesce_elements": a.coalesce},
            "optimizer": {"lr": a.lr, "weight_decay": 0.01, "implementation": a.impl}, "comm": {"backend": a.backend},
-           "offload_optimizer": a.offload}
+           "offload_optimizer": a.offload, "offload": json.loads(a.offload_cfg)}
     if init:
         with zerompi.Init(cfg, seed=0):  # make_model seeds 0 as well
             model = make_model(a.model)

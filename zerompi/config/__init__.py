@@ -7,8 +7,8 @@ error type naming the dotted key (errors.py).
 from .errors import ConfigError, fail
 from .loading import load, parse_overrides, read_file, to_dict
 from .zero import (PRECISIONS, ActivationCheckpointingConfig, CommConfig, LossScaleConfig,
-                   OptimizerConfig, Stage3Config, ZeroConfig)
+                   OffloadConfig, OptimizerConfig, Stage3Config, ZeroConfig)
 
 __all__ = ["ConfigError", "fail", "load", "parse_overrides", "read_file", "to_dict", "PRECISIONS",
-           "ActivationCheckpointingConfig", "CommConfig", "LossScaleConfig", "OptimizerConfig",
+           "ActivationCheckpointingConfig", "CommConfig", "LossScaleConfig", "OffloadConfig", "OptimizerConfig",
            "Stage3Config", "ZeroConfig"]

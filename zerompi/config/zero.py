@@ -201,6 +201,46 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """How the offloaded optimizer (offload_optimizer = cpu) runs; docs/offload.md."""
+
+    pipeline: str = "auto"
+    """auto | staged | copy. staged: each gradient bucket is copied to host staging in its
+    own dtype as backward completes it (its own CUDA stream on a GPU), one fused host pass
+    (unscale, clip, AdamW, the cast) writes the parameter-dtype copy into host staging,
+    uploaded tile by tile while the pass goes on; the norm and overflow check run where
+    the gradient is. copy: the whole gradient shard copied to an fp32 host buffer at the
+    step, then optimizer.implementation's update. auto: staged with the model on a GPU
+    (unless implementation = torch or tensor_parallel_size > 1), copy otherwise."""
+    delayed_update: bool = False
+    """ZeRO-Offload's one-step delayed parameter update: the host pass of step t runs while
+    the device computes step t+1, whose forward and backward therefore use the parameters
+    before update t (update t+1 applies a gradient taken one update earlier). Needs the
+    staged pipeline, bf16/fp16 and tensor_parallel_size 1."""
+    threads: int | str = "auto"
+    """Threads of the host pass, or auto: this rank's share of the node's cores (the cores
+    it may run on divided by the ranks on its node, unless the launcher bound it to fewer),
+    one fewer with the delayed update (the training thread keeps a core)."""
+    host_pass: str = "auto"
+    """auto | compiled | torch: the host pass compiled from cuda_src/host_adamw.cpp at first
+    use (bit for bit the CUDA kernels' arithmetic), or torch's fused AdamW and a cast;
+    auto: compiled, else torch with the reason logged; compiled: fail if it cannot build."""
+    tile_elements: int = 1 << 25
+    """Elements per upload tile (64 MiB of bf16): the upload of one tile overlaps the host
+    pass over the next."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline not in ("auto", "staged", "copy"):
+            fail("pipeline", self.pipeline, "must be auto, staged or copy")
+        if self.host_pass not in ("auto", "compiled", "torch"):
+            fail("host_pass", self.host_pass, "must be auto, compiled or torch")
+        if self.threads != "auto" and not (isinstance(self.threads, int) and self.threads >= 1):
+            fail("threads", self.threads, 'must be "auto" or an integer >= 1')
+        if self.tile_elements < 1:
+            fail("tile_elements", self.tile_elements, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """Everything the engine needs. Field names of DESIGN.md section 4 are stable."""
 
@@ -257,6 +297,7 @@ class ZeroConfig:
     the rank's gradient shard live in host memory (pinned on a GPU) and the AdamW update
     runs on the host; parameters and gradients stay on the model's device. Same results
     as none; less device memory, a host<->device copy of the shard per step."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     tensor_parallel_size: int = 1
     """Ranks per tensor-parallel group (adjacent ranks); data parallelism (and ZeRO's
     partitioning) runs across groups. It must divide the number of ranks; the model must
@@ -297,5 +338,16 @@ class ZeroConfig:
             fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
         if self.offload_optimizer not in ("none", "cpu"):
             fail("offload_optimizer", self.offload_optimizer, "must be none or cpu")
+        if self.offload.delayed_update:
+            why = ("needs offload_optimizer = cpu" if self.offload_optimizer != "cpu" else
+                   "needs the staged pipeline" if self.offload.pipeline == "copy" else
+                   "needs bf16 or fp16: in fp32 the device parameters are the master, read back "
+                   "as such (full_state_dict, checkpoints), and a copy one update behind cannot be"
+                   if self.precision == "fp32" else
+                   "needs tensor_parallel_size 1: replicated gradients are averaged over tp "
+                   "after backward, once they have left the device" if self.tensor_parallel_size > 1
+                   else None)
+            if why:
+                fail("offload.delayed_update", True, why)
         if self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")

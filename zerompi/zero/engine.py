@@ -32,6 +32,7 @@ from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduc
 from . import build, flat, grads, load_full, state_io, step_coef
 from . import groups as groups_mod
 from . import layout as layout_mod
+from . import offload as offload_mod
 from .layout import PARTS
 from .params import sync_untracked
 from .tensor_parallel_state import TPGrads, assemble_full
@@ -75,7 +76,8 @@ class ZeroEngine:
         self.layout = layout = layout_mod.flat_layout(plan, sg.size, cfg, bucket, at_least, sg.replicas)
         own = layout_mod.owned(layout, cfg.stage, sg.shard_rank)
         self.state = layout_mod.shard_state(layout, own, placement, cfg.stage, cfg.precision,
-                                            cfg.grad_accum_dtype, offload=cfg.offload_optimizer == "cpu")
+                                            cfg.grad_accum_dtype, offload=cfg.offload_optimizer == "cpu",
+                                            staging=offload_mod.staging_pairs(cfg, placement))
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        sg.shard, cfg, owns_all=parts.owns_all, groups=sg)
         sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
@@ -83,13 +85,14 @@ class ZeroEngine:
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
         self.optimizer = build.optimizer(build_segments(layout, own, group_of), self.state, groups,
-                                    len(self.params), cfg.optimizer.implementation)
+                                         len(self.params), cfg.optimizer.implementation, (cfg, dims))
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
         self.reducer = grads.GradReducer(self.params, layout, sg.reduce, parts.reduction, self.state,
                                          cfg.bucket_count, reduce_dtype_of(cfg.precision, cfg.reduce_dtype),
                                          poll=self.param_store.serve, local=self.world == 1)
+        self.offload = offload_mod.attach(self)  # the staged offload pipeline, or None
         if self.param_store.serve is not None and dims.tp.size > 1:
             # tp collectives (tp layers, Pa gathers) inside forward/backward: a dp peer may
             # need this rank in a stage-3 round first (a cycle over dp x tp otherwise)
@@ -212,6 +215,8 @@ class ZeroEngine:
         if not boundary:
             return False
         self.settle()  # the previous step's skip changes this step's counts
+        if self.offload is not None:
+            return self.offload.step()  # zero/offload.py: norm, update and uploads of its own
         if self.state.offload:
             self.state.offload_grads()  # sync (GPU): device -> host before the host update
         self.tp_grads.average_replicated()  # sync (tp > 1): replicas of norms/biases stay equal
@@ -263,6 +268,10 @@ class ZeroEngine:
         self._last_grad_norm = norm
         return True
 
+    @property
+    def offload_phases(self) -> dict:  # the last update's phases, threads, bytes (zero/offload.py)
+        return self.offload.phases() if self.offload is not None else {}
+
     def _fence_state(self) -> None:
         """Before the master weights or moments change: wait until an asynchronous
         checkpoint's snapshot has copied them (a no-op once it has)."""
@@ -308,6 +317,7 @@ class ZeroEngine:
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
         (on every rank with all_ranks=True); an empty dict on the other ranks."""
+        offload_mod.settle(self)
         tp, split = self.dims.tp, self.tp_grads.any_split
         tracked = self.param_store.full_state(all_ranks or split)
         if split:  # sync over tp: split parameters assembled at full shape, padding cut
@@ -326,12 +336,14 @@ class ZeroEngine:
 
     def gathered(self, params, modifier_rank: int | None = None):
         """Temporary full access (zerompi.GatheredParameters(..., engine=engine))."""
+        offload_mod.settle(self, write=modifier_rank is not None)
         if modifier_rank is not None:
             self._fence_state()
         return self.param_store.gathered(params, modifier_rank)
 
     def load_full_state_dict(self, state_dict: dict | None, strict: bool = True):
         """Full weights from rank 0's state_dict (others pass None), one tensor at a time."""
+        offload_mod.settle(self, write=True)
         self._fence_state()
         return load_full.load_full_state_dict(self, state_dict, strict)
 
@@ -374,6 +386,7 @@ class ZeroEngine:
         return checkpoint.load(self, directory, tag=tag)
 
     def export_state(self, views: bool = False) -> dict:
+        offload_mod.settle(self)
         return state_io.export_state(self, views)
 
     def exported_elements(self) -> int:
@@ -383,6 +396,7 @@ class ZeroEngine:
         return state_io.needed_pieces(self)
 
     def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
+        offload_mod.settle(self, write=True)
         self._fence_state()
         state_io.import_state(self, fetch, steps, param_groups, scaler, counters)
 

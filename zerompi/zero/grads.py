@@ -104,6 +104,7 @@ class GradReducer:
         self.completed: list[int] = []   # blocks in the order they became complete
         self.blocks_left = [0] * len(self.params)
         self.poll = poll                 # called while waiting for a bucket (stage 3: serve)
+        self.block_done: "Callable[[int], None] | None" = None  # block k's result written (offload)
         self.handles = [p.register_post_accumulate_grad_hook(weakly(self, "_accumulated", i))
                         for i, p in enumerate(self.params)]
         self.attach_grads()
@@ -176,7 +177,11 @@ class GradReducer:
             self._launch_ready(final=True)
 
     def end(self) -> None:
-        """After flush() on every rank: wait for all reductions."""
+        """After flush() on every rank: wait for all reductions (local: every block is
+        final now, in place)."""
+        if self.local and self.block_done is not None:
+            for k in range(len(self.layout.blocks)):
+                self.block_done(k)
         if self.active:
             self._launch_ready(final=True)
             while self.inflight:
@@ -247,3 +252,5 @@ class GradReducer:
             else:
                 self.grad_shard[ch.shard_lo:ch.shard_lo + ch.size].add_(res, alpha=self.pre_scale)
         self.slots_free.append(slot)
+        if self.block_done is not None:
+            self.block_done(k)

@@ -64,8 +64,8 @@ def owned(layout: FlatLayout, stage: int, rank: int) -> list[Chunk]:
 
 
 def shard_state(layout: FlatLayout, own: list[Chunk], placement: Placement, stage: int, precision: str,
-                grad_accum_dtype: str, offload: bool = False) -> ShardState:
+                grad_accum_dtype: str, offload: bool = False, staging: int = 0) -> ShardState:
     parts, dtype = PARTS[stage], DTYPES[precision]
     grad_dtype = torch.float32 if grad_accum_dtype == "fp32" else dtype
     return ShardState(layout, own, placement, dtype, grad_dtype, replicated=parts.store is ReplicatedParams,
-                      full_grads=parts.full_grads, offload=offload)
+                      full_grads=parts.full_grads, offload=offload, staging=staging)

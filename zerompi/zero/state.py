@@ -17,7 +17,10 @@ engine derives from the stage (zero/engine.py, PARTS):
 With the optimizer offloaded (ZeRO-Offload), master, exp_avg(_sq) and host_grad live in
 host memory (pinned when the model is on a GPU) and the master exists in fp32 too (the
 device parameters are then its working copy): the update runs on the host and writes
-each segment back to the device.
+each segment back to the device. The staged pipeline (staging > 0, zero/offload.py)
+has no fp32 host_grad: `staging` pairs of host buffers, (gradient in its own dtype,
+parameter-dtype output), page-locked on a GPU (zero/pinned.py), and the master and
+moments in plain pages (nothing copies them to or from the device).
 
 `owned` = the elements of this rank's chunks (stage 0: every element, shard index =
 flat index). The optimizer reads and writes these through segment views (views()).
@@ -36,11 +39,13 @@ from .partition import Chunk, FlatLayout
 class ShardState:
     def __init__(self, layout: FlatLayout, own: Sequence[Chunk], placement: Placement,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, *, replicated: bool,
-                 full_grads: bool, offload: bool = False):
+                 full_grads: bool, offload: bool = False, staging: int = 0):
         self.layout, self.own, self.placement = layout, list(own), placement
         self.offload = offload
-        # where the optimizer's state lives: the device, or host memory (pinned for async copies)
-        self.opt_placement = Placement(torch.device("cpu"), pinned=placement.is_cuda) if offload else placement
+        # where the optimizer's state lives: the device, or host memory (pinned for the copy
+        # pipeline's async copies; the staged one copies through its staging buffers only)
+        self.opt_placement = (Placement(torch.device("cpu"), pinned=placement.is_cuda and not staging)
+                              if offload else placement)
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.mixed = param_dtype != torch.float32
         self.replicated = replicated
@@ -54,7 +59,14 @@ class ShardState:
         self.exp_avg_sq = zo(owned, torch.float32)
         self.flat_grad = z(layout.total, grad_dtype) if full_grads else None
         self.grad_shard = None if full_grads else z(owned, grad_dtype)
-        self.host_grad = zo(owned, torch.float32) if offload else None
+        self.host_grad = zo(owned, torch.float32) if offload and not staging else None
+        self.staging = []  # [(gradient, output)] host staging of the staged pipeline
+        if offload and staging:
+            from .pinned import host_zeros
+
+            pin = placement.is_cuda
+            self.staging = [(host_zeros(owned, grad_dtype, pin), host_zeros(owned, param_dtype, pin))
+                            for _ in range(staging)]
 
     # ------------------------------------------------------------ initial values
     def set_full(self, full32: torch.Tensor, blocks=None, base: int = 0) -> None:
@@ -88,11 +100,12 @@ class ShardState:
         of the owned piece at shard [shard_lo, +n), flat [flat_lo, +n)."""
         work = self.param_piece(shard_lo, flat_lo, n)
         sh = slice(shard_lo, shard_lo + n)
-        if self.offload:  # host master and gradient copy; the device piece is the working copy
+        if self.host_grad is not None:  # host master and gradient copy; the device piece is the working copy
             return self.master[sh], self.host_grad[sh], self.exp_avg[sh], self.exp_avg_sq[sh], work
-        master = self.master[sh] if self.mixed else work
+        # (staged offload: the host master, the gradient where backward left it, the working copy)
+        master = self.master[sh] if self.master is not None else work
         grad = self.grad_shard[sh] if self.grad_shard is not None else self.flat_grad[flat_lo:flat_lo + n]
-        return master, grad, self.exp_avg[sh], self.exp_avg_sq[sh], (work if self.mixed else None)
+        return master, grad, self.exp_avg[sh], self.exp_avg_sq[sh], (work if self.mixed or self.offload else None)
 
     def offload_grads(self) -> None:
         """Offload: the reduced gradient of the owned elements -> host_grad (fp32), before
@@ -120,15 +133,20 @@ class ShardState:
                "grads": nbytes(self.flat_grad) + nbytes(self.grad_shard),
                "master": nbytes(self.master),
                "optimizer": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)}
-        rep["grads"] += nbytes(self.host_grad)
+        staged = sum(nbytes(t) for pair in self.staging for t in pair)
+        rep["grads"] += nbytes(self.host_grad) + sum(nbytes(g) for g, _ in self.staging)
+        rep["params"] += sum(nbytes(o) for _, o in self.staging)
         rep["model_states"] = rep["params"] + rep["grads"] + rep["master"] + rep["optimizer"]
         # of which in host memory because the optimizer is offloaded
         rep["offloaded"] = (nbytes(self.master) + nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)
-                            + nbytes(self.host_grad)) if self.offload else 0
+                            + nbytes(self.host_grad) + staged) if self.offload else 0
         return rep
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer this state allocated (for placement checks)."""
         names = ("flat_param", "shard_param", "master", "exp_avg", "exp_avg_sq", "flat_grad", "grad_shard",
                  "host_grad")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        for k, (g, o) in enumerate(self.staging):
+            out[f"staging_grad{k}"], out[f"staging_out{k}"] = g, o
+        return out
