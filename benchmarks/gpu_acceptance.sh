@@ -32,8 +32,8 @@
 #                    preset, 20 steps and a checkpoint (the log)
 #    9 proxy         (cap  60 s) host_proxy.json: benchmarks/bench_host_proxy.py, the host-cost
 #                    proxy on this machine's CPU (its calibration inputs are in the e2e JSONs)
-#   10 offload       (cap 120 s) offload.json, offload_delayed.json, offload_capacity.json:
-#                    benchmarks/bench_offload_gpu.py, the 1B preset, 3 steps, plain/--delayed/--capacity
+#   10 offload       (cap 150 s) offload.json: benchmarks/bench_offload_gpu.py, the 1B preset, 3 steps,
+#                    the phases, --delayed, --capacity in one run
 #   11 kernel-bench  (cap  30 s) [ 8] kernels_bench.json: fused AdamW / norm / cast bytes/s (1e8)
 #   12 build-tests   (cap  60 s) [20] build_junit.xml: nvcc and NVRTC compiles; in the default --skip
 # A step whose script is not in the checkout (proxy, offload) reports skip. --skip LIST
@@ -73,7 +73,7 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/acceptance.log" ENVF="$OUT/env.json"
 rm -f "$LOG" "$ENVF" "$OUT"/{kernels_junit.xml,kernels_bench.json,mpi_junit.xml,e2e.json,build_junit.xml,e2e_1b.json} \
-    "$OUT"/{host_proxy.json,offload.json,offload_delayed.json,offload_capacity.json}
+    "$OUT"/{host_proxy.json,offload.json}
 START=$(date +%s)
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -275,14 +275,12 @@ if ! script_absent proxy benchmarks/bench_host_proxy.py "$OUT/host_proxy.json"; 
 fi
 
 # 10 --------------------------------------------------------------- offloaded optimizer
-OFFLOAD_OUT=("$OUT/offload.json" "$OUT/offload_delayed.json" "$OUT/offload_capacity.json")
+OFFLOAD_OUT=("$OUT/offload.json")
 if ! script_absent offload benchmarks/bench_offload_gpu.py "${OFFLOAD_OUT[@]}"; then
     if [ "$GPU" = True ]; then
-        # the three runs one after the other under one cap; the exit status is the first failure's
-        step offload 120 40 bash -c 'o=0; for v in "" --delayed --capacity; do
-                "$0" benchmarks/bench_offload_gpu.py --preset gpt-1b --steps 3 $v --out "$1/offload${v:+_${v#--}}.json"
-                r=$?; [ "$o" = 0 ] && o=$r
-            done; exit "$o"' "$PY" "$OUT"
+        # one run: the phases, the delayed update at a batch it can hide behind, capacity
+        step offload 150 40 "$PY" benchmarks/bench_offload_gpu.py --preset gpt-1b --steps 3 --delayed \
+            --capacity --out "$OUT/offload.json"
     else
         for f in "${OFFLOAD_OUT[@]}"; do skip_json "$f" "$NOGPU"; done
         report offload skip 0 "$NOGPU"

@@ -31,7 +31,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
 STEPS = ["env-probe", "mpi", "peers", "kernel-tests", "mpi-gpu-tests", "e2e", "e2e-1b", "train-cmd", "proxy",
          "offload", "kernel-bench", "build-tests"]
 FILES = {"acceptance.log", "env.json", "kernels_junit.xml", "kernels_bench.json", "mpi_junit.xml", "e2e.json",
-         "e2e_1b.json", "host_proxy.json", "offload.json", "offload_delayed.json", "offload_capacity.json"}
+         "e2e_1b.json", "host_proxy.json", "offload.json"}
 STAND_IN = "stand-in deepspeed of the dry-run test"
 
 

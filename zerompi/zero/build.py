@@ -36,10 +36,15 @@ def check_dims_device(dims, placement: Placement) -> None:
                          "device=...) or let initialize() build it (dims=None)")
 
 
-def optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str):
+def optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str, staged=()):
     """zero.optimizer.implementation: the table-driven fused kernels (one launch per
     step for the shard; on the host their numpy references) or torch ops per segment.
-    Offloaded, fused means torch's fused CPU AdamW (the default with a GPU model)."""
+    Offloaded, fused means torch's fused CPU AdamW; the staged pipeline: zero/offload.py
+    (staged: its (config, dims))."""
+    if state.staging:
+        from . import offload
+
+        return offload.host_optimizer(segments, state, groups, n, *staged)
     if state.offload:
         if (impl == "fused" or (impl == "auto" and state.placement.is_cuda)) and host_fused.available():
             return host_fused.HostFusedAdamW(segments, state.views, groups, n)

@@ -143,11 +143,6 @@ class ZeroEngine:
         self.settle()
         return self._skipped_steps
 
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.settle()
-        self._skipped_steps = value
-
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last update (inf: it was skipped)."""
@@ -397,6 +392,7 @@ class ZeroEngine:
 
     def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
         offload_mod.settle(self, write=True)
+        self.settle()  # a pending skip must not take back the loaded step counts later
         self._fence_state()
         state_io.import_state(self, fetch, steps, param_groups, scaler, counters)
 

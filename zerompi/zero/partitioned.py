@@ -21,8 +21,7 @@
   inside backward keep serving rounds (`serve`).
 - Alone (a shard group of one rank, `resident`): the shard is the whole model in the flat
   layout, so every unit is a permanent view of it: no pool, gather, release, round or
-  hook, and the update writes the parameters themselves (FSDP2 skips its all-gather at
-  world size 1 likewise).
+  hook; the update writes the parameters themselves (as FSDP2 skips its world-1 gather).
 """
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ def import_state(engine, fetch, steps: dict, param_groups: list, scaler: dict, c
     engine.scaler.load_state_dict(scaler)
     engine.global_steps = int(counters["global_steps"])
     engine.micro_steps = int(counters["micro_steps"])
-    engine.skipped_steps = int(counters.get("skipped_steps", 0))
+    engine._skipped_steps = int(counters.get("skipped_steps", 0))  # global_steps' setter settled
     # Ranks finish their reads at different times; spinning in the all-gather's MPI wait
     # would take the cores of ranks still reading when ranks outnumber cores.
     engine.dims.world.barrier(poll=True)
