@@ -17,7 +17,8 @@
 #    3 peers         (cap  30 s) [ 5] DeepSpeed from --wheels into a temporary --target when
 #                    deepspeed does not import (the e2e steps then see it); skip without wheels
 #    4 kernel-tests  (cap  60 s) [14] kernels_junit.xml: kernels vs numpy, GPU placement, NCCL dtypes,
-#                    the update's coefficient on the device (test_step_coef.py)
+#                    the update's coefficient on the device (test_step_coef.py), the staged
+#                    offload and delayed update, pinned staging, the compiled host pass
 #    5 mpi-gpu-tests (cap 150 s) [76] mpi_junit.xml: every MPI test that needs the GPU (parity
 #                    N = 1 NCCL, N = 2-3 sharing the GPU, no device sync in a step, offload,
 #                    staged and NCCL collectives, device binding); -n 4 with pytest-xdist
@@ -213,7 +214,9 @@ pytest_step kernel-tests 60 20 kernels_junit.xml tests/unit/test_kernels_gpu.py 
     tests/unit/test_placement.py::test_pinned_host_placement \
     tests/unit/test_placement.py::test_cuda_placement_allocates_on_the_device \
     tests/unit/test_nccl_module.py::test_nccl_dtype_map_matches_cupy \
-    tests/unit/test_step_coef.py
+    tests/unit/test_step_coef.py tests/unit/test_offload.py::test_staged_and_delayed_on_the_gpu \
+    tests/unit/test_host_pass.py::test_host_zeros_registers_pages_for_the_gpu \
+    tests/unit/test_host_pass.py::test_compiled_pass_is_the_reference_bit_for_bit
 
 # 5 ---------------------------------------------------------------- MPI tests on the GPU
 if [ "$MPI_OK" = 1 ]; then
