@@ -16,7 +16,7 @@
 #    2 mpi           (cap  45 s) [ 6] MPI from --wheels if none works, then 2 ranks (mpi_smoke.py)
 #    3 peers         (cap  30 s) [ 5] DeepSpeed from --wheels into a temporary --target when
 #                    deepspeed does not import (the e2e steps then see it); skip without wheels
-#    4 kernel-tests  (cap  60 s) [14] kernels_junit.xml: kernels vs numpy, GPU placement, NCCL dtypes,
+#    4 kernel-tests  (cap  90 s) [14] kernels_junit.xml: kernels vs numpy, GPU placement, NCCL dtypes,
 #                    the update's coefficient on the device (test_step_coef.py), the staged
 #                    offload and delayed update, pinned staging, the compiled host pass
 #    5 mpi-gpu-tests (cap 150 s) [76] mpi_junit.xml: every MPI test that needs the GPU (parity
@@ -210,7 +210,7 @@ fi
 PEERS_PATH="${PEERS:+$PEERS:}$PYTHONPATH"
 
 # 4 ---------------------------------------------------------------- kernels, no MPI
-pytest_step kernel-tests 60 20 kernels_junit.xml tests/unit/test_kernels_gpu.py \
+pytest_step kernel-tests 90 20 kernels_junit.xml tests/unit/test_kernels_gpu.py \
     tests/unit/test_placement.py::test_pinned_host_placement \
     tests/unit/test_placement.py::test_cuda_placement_allocates_on_the_device \
     tests/unit/test_nccl_module.py::test_nccl_dtype_map_matches_cupy \
