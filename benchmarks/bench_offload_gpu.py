@@ -95,12 +95,15 @@ def machine(dev) -> dict:
     return out
 
 
+THREADS = "auto"  # offload.threads of every offloaded run (--threads)
+
+
 def config(offload: bool, delayed: bool = False, gas: int = 1) -> dict:
     cfg = {"stage": 2, "precision": "bf16", "gradient_clipping": 1.0, "gradient_accumulation_steps": gas,
            "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1},
            "offload_optimizer": "cpu" if offload else "none"}
     if offload:
-        cfg["offload"] = {"pipeline": "staged", "delayed_update": delayed}
+        cfg["offload"] = {"pipeline": "staged", "delayed_update": delayed, "threads": THREADS}
     return cfg
 
 
@@ -250,8 +253,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gas", type=int, default=0, help="accumulation for the delayed comparison (0: chosen)")
     ap.add_argument("--capacity", action="store_true")
     ap.add_argument("--capacity-budget", type=float, default=60.0)
+    ap.add_argument("--threads", default="auto", help="offload.threads (auto or an integer)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    global THREADS
+    THREADS = a.threads if a.threads == "auto" else int(a.threads)
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("bench_offload_gpu: no CUDA device visible", file=sys.stderr)
@@ -261,6 +267,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"machine": machine_info(), "torch": torch.__version__, "preset": a.preset, "micro": a.micro,
+           "offload_threads_setting": THREADS,
            "seq": a.seq, "device": str(dev), "params": count_params(cfg), "failed": []}
     if dev.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(dev)

@@ -205,3 +205,46 @@ def test_gpu_copy_path_with_stand_in_streams(monkeypatch):
     assert torch.equal(got, out)
     busy = offload_io.busy_seconds(io.take_events())
     assert busy == pytest.approx({"d2h": 2e-3 * len(io.blocks), "upload": 2e-3 * len(io.tiles)})
+
+
+def test_one_rank_hands_every_block_to_the_staging_as_backward_completes_it():
+    """Alone the reducer reduces nothing: in the boundary backward it hands each block to
+    the staging when its last parameter's gradient is in (a parameter unused this step:
+    at the end), so the staged run at GAS 2 follows the plain one (the host pass is the
+    fused kernel's arithmetic; only the norm's summation order differs)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))).square().mean()
+
+    def train(offload: bool):
+        torch.manual_seed(0)
+        cfg = {"stage": 2, "precision": "bf16", "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+               "bucket_size": 64, "optimizer": {"lr": 1e-2, "implementation": "fused"}}
+        if offload:
+            cfg.update(offload_optimizer="cpu", offload={"pipeline": "staged"})
+        e = zerompi.initialize(Net(), cfg)
+        handed = []
+        if offload:
+            assert e.reducer.local and len(e.layout.blocks) > 3
+            inner = e.reducer.block_done
+            e.reducer.block_done = lambda k: (handed.append((k, e.micro_steps, e.reducer.streaming)), inner(k))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            e.backward(e(torch.randn(5, 8, generator=g)))
+            e.step()
+        return e, handed
+
+    plain, _ = train(False)
+    staged, handed = train(True)
+    nb = len(staged.layout.blocks)
+    # every block once per update, in the boundary micro-steps (1, 3, 5) only
+    assert sorted(h[:2] for h in handed) == sorted((k, m) for m in (1, 3, 5) for k in range(nb))
+    # ... most of them during backward (not all at its end)
+    assert sum(h[2] for h in handed) >= 3 * (nb - 1), handed
+    a, b = plain.full_state_dict(), staged.full_state_dict()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
+    assert not torch.equal(a["a.weight"], torch.zeros_like(a["a.weight"]))

@@ -73,6 +73,7 @@ class GradReducer:
             raise ValueError("local gradients need a layout over one rank")
         self.local = local
         self.unapplied = 1.0  # local: the pre_scale the optimizer's coefficient must apply
+        self.streaming = False  # local: handing completed blocks to block_done in this backward
         nb = len(layout.blocks)
         self.block_pieces = [list(layout.pieces(s, e)) for s, e in layout.blocks]
         self.block_params = [sorted({pc.index for pc in pcs}) for pcs in self.block_pieces]
@@ -144,6 +145,8 @@ class GradReducer:
     def begin(self, reduce: bool, pre_scale: float) -> None:
         """Called before loss.backward(): reduce in this backward or only accumulate."""
         if self.local:  # nothing to reduce: the optimizer applies the factor
+            # the boundary backward's blocks are final as they complete: handed on (offload)
+            self.streaming = reduce and self.block_done is not None
             self.unapplied, reduce = pre_scale, False
         self.active, self.pre_scale = reduce, pre_scale
         self.remaining = [len(b) for b in self.block_params]
@@ -160,6 +163,11 @@ class GradReducer:
                 # user replaced .grad (zero_grad(set_to_none), or fp32 storage): fold in
                 v.add_(p.grad)
                 p.grad = v if v.dtype == p.dtype else None
+        if self.streaming:
+            for k in self.param_blocks[i]:
+                self.remaining[k] -= 1
+                if self.remaining[k] == 0:
+                    self.block_done(k)
         if not self.active:
             return
         for k in self.param_blocks[i]:
@@ -179,9 +187,11 @@ class GradReducer:
     def end(self) -> None:
         """After flush() on every rank: wait for all reductions (local: every block is
         final now, in place)."""
-        if self.local and self.block_done is not None:
-            for k in range(len(self.layout.blocks)):
-                self.block_done(k)
+        if self.streaming:  # blocks of parameters unused in this backward
+            self.streaming = False
+            for k, left in enumerate(self.remaining):
+                if left > 0:
+                    self.block_done(k)
         if self.active:
             self._launch_ready(final=True)
             while self.inflight:
