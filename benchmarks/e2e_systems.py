@@ -18,6 +18,8 @@ HashStore (no network), NCCL on a GPU, gloo on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import logging
 import os
@@ -113,17 +115,24 @@ def build(name: str, cfg, micro: int, backend: str, dev: torch.device) -> System
 def _torch(cfg, dev) -> System:
     model = new_model(cfg, dev)
     opt = adamw(model.parameters(), dev)
+    step = _torch_step(model, opt, dev)
+    return System("torch", step, {"optimizer": f"torch.optim.AdamW(fused={dev.type == 'cuda'})",
+                                  "precision": "fp32 parameters, bf16 autocast"}, [model, opt])
 
+
+def _torch_step(model, opt, autocast_dev):
+    """A torch training step: forward (bf16 autocast on autocast_dev's type, if given),
+    backward, clip_grad_norm_, the optimizer, grads set to None."""
     def step(x, y):
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with (torch.autocast(autocast_dev.type, dtype=torch.bfloat16) if autocast_dev is not None
+              else contextlib.nullcontext()):
             _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return System("torch", step, {"optimizer": f"torch.optim.AdamW(fused={dev.type == 'cuda'})",
-                                  "precision": "fp32 parameters, bf16 autocast"}, [model, opt])
+    return step
 
 
 def _fsdp2(cfg, dev) -> System:
@@ -138,14 +147,7 @@ def _fsdp2(cfg, dev) -> System:
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = adamw(model.parameters(), dev)
-
-    def step(x, y):
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = _torch_step(model, opt, None)  # the policy casts: no autocast
     return System("fsdp2", step, {"optimizer": f"torch.optim.AdamW(fused={dev.type == 'cuda'})",
                                   "precision": "fp32 parameters, MixedPrecisionPolicy(bf16, reduce fp32)",
                                   "backend": torch.distributed.get_backend()}, [model, opt])

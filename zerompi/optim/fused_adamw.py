@@ -74,25 +74,7 @@ class FusedShardAdamW(ShardedAdamW):
         self.executor.adamw(self.step_rows(grad_coef, used), device_coef)
 
     def step_rows(self, grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:
-        """This step's fp32 scalar rows (nseg, 9), for the counts already advanced:
-        adamw_scalars once per distinct (group, step), a zero row for unused params."""
-        rows = np.zeros((self.table.nseg, kt.ROW_COLS), np.float32)
-        active = (np.ones(self.table.nseg, bool) if used is None
-                  else np.asarray(used, bool)[self._seg_param])
-        if not active.any():
-            return rows
-        steps = np.asarray(self.steps, np.int64)[self._seg_param]
-        pairs = np.stack([self._seg_group, steps], 1)[active]
-        uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-        made = []
-        for g, st in uniq:
-            hp = self.param_groups[int(g)]
-            (beta1, beta2) = hp["betas"]
-            made.append(kt.step_row(adamw_scalars(
-                lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"],
-                weight_decay=hp["weight_decay"], step=int(st), grad_coef=grad_coef)))
-        rows[active] = np.stack(made)[inv.reshape(-1)]
-        return rows
+        return scalar_rows(self._seg_param, self._seg_group, self.steps, self.param_groups, grad_coef, used)
 
     def grad_sq_norm(self, weights: Sequence[float] | None = None) -> torch.Tensor:
         """Weighted squared L2 norm of the stored gradients as a 0-d float64 tensor on
@@ -102,6 +84,28 @@ class FusedShardAdamW(ShardedAdamW):
         if w.size != self.table.nseg:
             raise ValueError(f"{w.size} weights for {self.table.nseg} segments")
         return self.executor.grad_sq_norm(w)
+
+
+def scalar_rows(seg_param: np.ndarray, seg_group: np.ndarray, steps: Sequence[int], param_groups: list[dict],
+                grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:
+    """A step's fp32 scalar rows (nseg, 9), for step counts already advanced:
+    adamw_scalars once per distinct (group, step), a zero row (skip) for a segment of an
+    unused parameter. seg_param / seg_group: each segment's parameter and group."""
+    rows = np.zeros((len(seg_param), kt.ROW_COLS), np.float32)
+    active = np.ones(len(seg_param), bool) if used is None else np.asarray(used, bool)[seg_param]
+    if not active.any():
+        return rows
+    pairs = np.stack([seg_group, np.asarray(steps, np.int64)[seg_param]], 1)[active]
+    uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
+    made = []
+    for g, st in uniq:
+        hp = param_groups[int(g)]
+        (beta1, beta2) = hp["betas"]
+        made.append(kt.step_row(adamw_scalars(
+            lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"],
+            weight_decay=hp["weight_decay"], step=int(st), grad_coef=grad_coef)))
+    rows[active] = np.stack(made)[inv.reshape(-1)]
+    return rows
 
 
 # ------------------------------------------------------------------ executors

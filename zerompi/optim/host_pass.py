@@ -27,10 +27,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..kernels import adamw_table as kt
-from ..kernels.adamw import adamw_scalars
 from . import host_fused, host_kernel
 from .adamw import ShardedAdamW
+from .fused_adamw import scalar_rows
 
 UNIT = 1 << 15  # elements per work unit: ~1 MB of traffic, thousands per GiB-sized shard
 KERNELS = ("auto", "compiled", "torch")
@@ -122,25 +121,8 @@ class HostPassAdamW(ShardedAdamW):
 
     # ------------------------------------------------------------ per step
     def rows(self, grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:
-        """fp32 scalar rows (nseg, 9) for the counts already advanced: adamw_scalars
-        once per distinct (group, step); a zero row (skip) for unused parameters."""
-        rows = np.zeros((len(self.segments), kt.ROW_COLS), np.float32)
-        active = (np.ones(len(self.segments), bool) if used is None
-                  else np.asarray(used, bool)[self._seg_param])
-        if not active.any():
-            return rows
-        steps = np.asarray(self.steps, np.int64)[self._seg_param]
-        pairs = np.stack([self._seg_group, steps], 1)[active]
-        uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-        made = []
-        for g, st in uniq:
-            hp = self.param_groups[int(g)]
-            beta1, beta2 = hp["betas"]
-            made.append(kt.step_row(adamw_scalars(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"],
-                                                  weight_decay=hp["weight_decay"], step=int(st),
-                                                  grad_coef=grad_coef)))
-        rows[active] = np.stack(made)[inv.reshape(-1)]
-        return rows
+        """fp32 scalar rows (nseg, 9) for the counts already advanced (fused_adamw.scalar_rows)."""
+        return scalar_rows(self._seg_param, self._seg_group, self.steps, self.param_groups, grad_coef, used)
 
     def launch(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None, slot: int = 0,
                threads: int | None = None, background: bool = False):
