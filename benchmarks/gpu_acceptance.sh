@@ -243,16 +243,19 @@ e2e() {  # e2e NAME CAP MIN OUTFILE SYSTEMS GPU-ARGS... -- CPU-ARGS...
     elif [ "$DRY" = 1 ]; then
         step "$name" "$cap" 20 env PYTHONPATH="$PEERS_PATH" "$PY" benchmarks/bench_gpu_e2e.py --device cpu \
             --backend mpi --preset tiny --micro 2 --seq 32 --warmup 1 --rounds 2 --steps 1 --profile-steps 1 \
-            --systems "$systems" --out "$out" "${cpu[@]}"
+            --out "$out" "${cpu[@]}"
     else
         skip_json "$out" "$NOGPU"
         report "$name" skip 0 "$NOGPU"
     fi
 }
+# the dry run: every system of the 124M step (the GPU run's list), two of the 1B step's
 e2e e2e 110 40 "$OUT/e2e.json" torch,fsdp2,stage0,stage1,stage2,stage3,stage3_slots8/deepspeed2,deepspeed3 \
-    --preset "$PRESET" --micro 8 --seq 1024 --warmup 3 --rounds 8 --steps 3 --train-steps 60 -- --train-steps 30
+    --preset "$PRESET" --micro 8 --seq 1024 --warmup 3 --rounds 8 --steps 3 --train-steps 60 -- \
+    --systems torch,fsdp2,stage0,stage1,stage2,stage3,stage3_slots8/deepspeed2,deepspeed3 --train-steps 30
 e2e e2e-1b 130 60 "$OUT/e2e_1b.json" torch,fsdp2,stage0,stage1,stage2,stage3 \
-    --preset gpt-1b --micro 4 --seq 1024 --warmup 2 --rounds 6 --steps 2 --profile-steps 2 --
+    --preset gpt-1b --micro 4 --seq 1024 --warmup 2 --rounds 6 --steps 2 --profile-steps 2 -- \
+    --systems torch,stage3
 
 # 8 ---------------------------------------------------------------- the main job
 # `python -m zerompi.train` as users run it: 2 ranks (on one GPU they share it), device

@@ -116,7 +116,7 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
         assert all(STAND_IN in sy[n]["skipped"] for n in ("deepspeed2", "deepspeed3")), sy
         assert "peers: ImportError: " + STAND_IN in log
     e2e_1b = json.loads((out / "e2e_1b.json").read_text())["systems"]
-    assert list(e2e_1b) == want[:6] and all("profile" in v for v in e2e_1b.values()), e2e_1b
+    assert list(e2e_1b) == ["torch", "stage3"] and all("profile" in v for v in e2e_1b.values()), e2e_1b
 
 
 def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
