@@ -29,7 +29,6 @@ from pathlib import Path
 
 from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from zerompi.kernels import adamw_table as kt  # noqa: E402

@@ -243,7 +243,8 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
         record = {"step": done, "loss": total / B, "lr": lr,
                   "grad_norm": engine.last_grad_norm, "loss_scale": engine.loss_scale,
                   # a step decided on the device (defer_stats) says at once only that it was issued
-                  "updated": bool(updated) and math.isfinite(engine.last_grad_norm), "tokens": done * B * T, "tokens_per_s": B * T / dt,
+                  "updated": bool(updated) and math.isfinite(engine.last_grad_norm),
+                  "tokens": done * B * T, "tokens_per_s": B * T / dt,
                   "step_time": dt, "mfu": flops_per_token * B * T / dt / (peak * dims.world.size),
                   "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
                   "time": time.perf_counter() - t_start}

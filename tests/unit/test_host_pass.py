@@ -11,7 +11,7 @@ import torch
 
 from zerompi.kernels import adamw_table as kt
 from zerompi.kernels.adamw import adamw_apply, adamw_scalars
-from zerompi.kernels.cast import from_float32, to_float32
+from zerompi.kernels.cast import from_float32
 from zerompi.optim import ShardedAdamW, host_kernel
 from zerompi.optim.adamw import Segment
 from zerompi.optim.host_pass import HostPassAdamW, build_units

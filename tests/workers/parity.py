@@ -105,7 +105,9 @@ for stage, init in runs:
             left += engine.materialized_params()
             assert engine.memory_report()["gathered"] == 0
             assert not left, f"materialised after step {step}: {left}"
-            assert all(p.grad is None for p in engine.params) or engine.reducer.local
+            # no gradient outside the state's buffers (alone, .grad are views of them)
+            assert engine.reducer.loose_grad_bytes() == 0
+            assert engine.reducer.local or all(p.grad is None for p in engine.params)
         losses.append(world.allreduce(tot, op=MPI.SUM) / (N * a.gas))
         norms.append(engine.last_grad_norm)
     sd = engine.full_state_dict()

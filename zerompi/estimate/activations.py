@@ -55,18 +55,12 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, precision: str = "bf16",
     return {k: {"device": math.ceil(dev[k]), "host": math.ceil(host[k])} for k in STRATEGIES}
 
 
-def alone(layout) -> bool:
-    """A layout over one rank, not replicated: the data-parallel group is that rank, so
-    gradients accumulate in place and stage 3's units view the shard (no gathers)."""
-    return layout.world == 1 and layout.replicas == 1
-
-
 def comm_buffer_bytes(layout, bucket_count: int, reduce_bytes: int) -> int:
     """The gradient reducer's constant buffers (grads.GradReducer): min(bucket_count,
     blocks) slots of a largest-block send buffer, its chunk, and (N > 1) the alltoall
     receive space, in the reduce dtype; none for a data-parallel group of one rank (the
     reducer is local). Exact: equals memory_report()["buffers"]."""
-    if alone(layout):
+    if layout.alone:
         return 0
     B = max(e - s for s, e in layout.blocks)
     c = B // layout.world
@@ -85,7 +79,7 @@ def working_bytes(built, stage: int, zcfg, param_bytes: int) -> dict[str, int]:
       largest parameter plus bucket_count blocks; stages 0-1 accumulate into flat_grad)."""
     layout = built.layout
     out = {"gathered": 0, "persistent": 0, "transient_grads": 0}
-    if alone(layout):  # units are views of the shard, gradients accumulate into it
+    if layout.alone:  # units are views of the shard, gradients accumulate into it
         return out
     if stage == 3:
         sizes = [(e - s) for s, e in layout.unit_spans]

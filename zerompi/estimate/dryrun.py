@@ -28,7 +28,7 @@ from ..zero import layout as zlayout
 from ..zero.layout import PARTS
 from ..zero.params import Plan
 from ..zero.partition import Chunk, FlatLayout
-from .activations import alone, comm_buffer_bytes
+from .activations import comm_buffer_bytes
 from .memory import model_states
 from .models import ModelSpec, meta_model
 
@@ -161,7 +161,7 @@ def collectives(built: Built, stage: int, zcfg: ZeroConfig, precision: str, gas:
     size: op, elements per collective, per-rank chunk, bytes, count per step, and the
     elements per step in comm_stats()'s convention (all-reduce of n counts 2n)."""
     layout, n, g = built.layout, built.layout.world, built.layout.replicas
-    if alone(layout):  # one data-parallel rank: nothing to reduce, gather or agree on
+    if layout.alone:  # one data-parallel rank: nothing to reduce, gather or agree on
         return []
     pbytes, rbytes = DTYPES[precision].itemsize, reduce_bytes(zcfg, precision)
     sizes = [e - s for s, e in layout.blocks]

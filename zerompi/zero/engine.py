@@ -29,7 +29,7 @@ from ..config import ZeroConfig
 from ..optim import build_groups, build_segments
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
-from . import build, flat, grads, load_full, state_io, step_coef
+from . import build, grads, load_full, state_io, step_coef
 from . import groups as groups_mod
 from . import layout as layout_mod
 from . import offload as offload_mod
@@ -101,9 +101,8 @@ class ZeroEngine:
         self._global_steps = 0    # optimizer updates applied
         self._skipped_steps = 0   # non-finite (fp16: overflow) skips
         self._last_grad_norm: float | None = None
-        # On a GPU with a static loss scale (bf16/fp32) and the fused optimizer, the step's
-        # norm and overflow stay on the device and are read a step later (step_coef.py):
-        # no host wait for the device in a step. fp16 needs the overflow now (the scale).
+        # GPU, static loss scale, fused optimizer: the step's norm and overflow are read a
+        # step later (step_coef.py); fp16 needs the overflow at once (the scale).
         self.defer_stats = (placement.is_cuda and cfg.precision != "fp16"
                             and getattr(self.optimizer, "takes_device_coef", False))
         self._pending: step_coef.Pending | None = None
@@ -126,17 +125,11 @@ class ZeroEngine:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    # Counters that a step decided on the device changes once the host has read it: each
-    # read settles the pending step first (a wait for the device only if it is behind).
+    # counters a device-decided step changes once read: each read settles it (zero/step_coef.py)
     @property
     def global_steps(self) -> int:
         self.settle()
         return self._global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.settle()
-        self._global_steps = value
 
     @property
     def skipped_steps(self) -> int:
@@ -199,9 +192,8 @@ class ZeroEngine:
         self.reducer.end()  # sync: waits for the last buckets' reductions
 
     def step(self) -> bool:
-        """Count one micro-step; at the accumulation boundary update. True if an update
-        was made (with defer_stats: issued; a non-finite gradient found when the host
-        reads the step, at the next step or counter read, makes it a skip after all)."""
+        """Count one micro-step; at the accumulation boundary update. True if updated
+        (defer_stats: issued; a non-finite norm read later makes it a skip after all)."""
         if not self._backward_pending:
             raise RuntimeError("engine.step() called without engine.backward() for this micro-batch")
         self._backward_pending = False
@@ -216,38 +208,45 @@ class ZeroEngine:
             self.state.offload_grads()  # sync (GPU): device -> host before the host update
         self.tp_grads.average_replicated()  # sync (tp > 1): replicas of norms/biases stay equal
         sumsq, used = self._grad_stats()
-        coef, host_vals = step_coef.coefficient(sumsq, self.scaler.scale, self.reducer.unapplied,
-                                                self.config.gradient_clipping)
-        self._pending = step_coef.Pending(host_vals, self.micro_steps // self.gradient_accumulation_steps,
-                                          used)
-        self._global_steps += 1
+        coef = self._decide(sumsq, used)
         if self.defer_stats:
             self._fence_state()
             self.optimizer.step(used=used, device_coef=coef)
             self.param_store.after_update()  # sync: all-gather of the updated chunks
             self._zero_grads()
             return True
-        # sync (GPU): the host reads the norm now, for the overflow/clip decision
-        with watchdog.waiting("device sync (gradient norm)"):
-            norm, overflow, grad_coef = self._pending.read()
-        if self._settle_read(norm, overflow, issued=False):
+        updates, grad_coef = self._read_now()
+        if updates:
             self._fence_state()
             self.optimizer.step(grad_coef=grad_coef, used=used)
             self.param_store.after_update()  # sync: all-gather of the updated chunks
         self._zero_grads()
-        return not overflow
+        return updates
+
+    def _decide(self, sumsq: torch.Tensor, used: list[bool]) -> torch.Tensor:
+        """The kernel's [coef, skip] where the norm is; counted as made until read (_pending)."""
+        coef, host_vals = step_coef.coefficient(sumsq, self.scaler.scale, self.reducer.unapplied,
+                                                self.config.gradient_clipping)
+        self._pending = step_coef.Pending(host_vals, self.micro_steps // self.gradient_accumulation_steps, used)
+        self._global_steps += 1
+        return coef
+
+    def _read_now(self) -> tuple[bool, float]:
+        """sync (GPU): the host reads the step's norm now; (update?, coefficient)."""
+        with watchdog.waiting("device sync (gradient norm)"):
+            norm, overflow, grad_coef = self._pending.read()
+        return self._settle_read(norm, overflow, issued=False), grad_coef
 
     def settle(self) -> None:
-        """Read the last step's norm and skip, if not read yet (defer_stats: that step's
-        update was issued on the device before the host knew them)."""
+        """Read the last step's norm and skip if not yet read (defer_stats: issued unread)."""
         if self._pending is not None:
             with watchdog.waiting("device sync (gradient norm of the last step)"):
                 norm, overflow, _ = self._pending.read()
             self._settle_read(norm, overflow, issued=True)
 
     def _settle_read(self, norm: float, overflow: bool, issued: bool) -> bool:
-        """The host's bookkeeping of the pending step; True if it updates. A skipped step
-        whose update was issued (the kernel skipped it) gives back its step counts."""
+        """The pending step's bookkeeping; True if it updates (issued and skipped: the
+        kernel skipped it, its step counts are given back)."""
         p, self._pending = self._pending, None
         scale = self.scaler.scale
         self.scaler.update(overflow)  # fp16: raises Diverged at min_scale
@@ -263,23 +262,23 @@ class ZeroEngine:
         self._last_grad_norm = norm
         return True
 
-    @property
-    def offload_phases(self) -> dict:  # the last update's phases, threads, bytes (zero/offload.py)
-        return self.offload.phases() if self.offload is not None else {}
+    offload_phases = property(lambda self: self.offload.phases() if self.offload is not None else {},
+                              doc="The last update's phases, threads, bytes (zero/offload.py).")
 
     def _fence_state(self) -> None:
-        """Before the master weights or moments change: wait until an asynchronous
-        checkpoint's snapshot has copied them (a no-op once it has)."""
+        """Before master or moments change: wait for an async checkpoint's snapshot."""
         fence, self._state_fence = self._state_fence, None
         if fence is not None:
             fence()
 
-    def _grad_stats(self) -> tuple[torch.Tensor, list[bool]]:
-        """Squared L2 norm of the stored (loss-scaled) gradient over all ranks, as a 0-d
-        float64 tensor where the state lives, and which parameters got a gradient on any
-        rank (over dp x tp: a tp rank's split parameters are distinct, replicas count
-        once). Alone: no communication at all."""
-        norm_sq = self.optimizer.grad_sq_norm(self.tp_grads.weights).reshape(1)
+    def _grad_stats(self, local: torch.Tensor | None = None) -> tuple[torch.Tensor, list[bool]]:
+        """Squared L2 norm of the stored (loss-scaled) gradient over all ranks (float64,
+        where the state lives) and which parameters got a gradient on any rank (over dp x
+        tp: split parameters are distinct, replicas count once). `local`: this rank's
+        norm computed elsewhere (zero/offload.py). Alone: no communication."""
+        if local is None:
+            local = self.optimizer.grad_sq_norm(self.tp_grads.weights)
+        norm_sq = local.reshape(1)
         comm = self.comm if self.dims.tp_size == 1 else self.dims.world
         if comm.size == 1:
             return norm_sq, [v > 0 for v in self.reducer.used]
@@ -382,6 +381,7 @@ class ZeroEngine:
 
     def export_state(self, views: bool = False) -> dict:
         offload_mod.settle(self)
+        self.settle()  # a step the device decided: its skip changes the step counts
         return state_io.export_state(self, views)
 
     def exported_elements(self) -> int:

@@ -69,7 +69,7 @@ class GradReducer:
         self.grad_shard = state.grad_shard
         if (flat_grad is None) != (mode == SCATTER_PER_BUCKET):
             raise ValueError(f"gradient reduction {mode!r} does not match the state's gradient buffers")
-        if local and (layout.world != 1 or layout.replicas != 1):
+        if local and not layout.alone:
             raise ValueError("local gradients need a layout over one rank")
         self.local = local
         self.unapplied = 1.0  # local: the pre_scale the optimizer's coefficient must apply

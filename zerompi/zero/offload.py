@@ -23,7 +23,6 @@ sequence. settle() ends the overlap where the engine's state is read or replaced
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -31,8 +30,7 @@ import weakref
 import torch
 
 from ..optim.host_pass import HostPassAdamW
-from ..runtime import console, watchdog
-from . import step_coef
+from ..runtime import console
 from .offload_io import DeviceNorm, Transfers, busy_seconds, upload_tiles
 
 
@@ -134,53 +132,34 @@ class Offload:
         ph = {"threads": self.opt.threads, "kernel": self.opt.kernel, "delayed": self.delayed,
               "grad_bytes": self.io.grad_bytes, "param_bytes": self.io.param_bytes,
               "host_bytes": self.host_bytes()}
-        scale = e.scaler.scale
-        sumsq, used = self._grad_stats()
+        sumsq, used = e._grad_stats(self._local_norm())
         ph["grad_stats"] = time.perf_counter() - t0
-        overflow = not math.isfinite(sumsq)
-        e.scaler.update(overflow)  # fp16: raises Diverged at min_scale
-        e.nonfinite.record(e.micro_steps // e.gradient_accumulation_steps, not overflow, scale, e.scaler.scale)
+        e._decide(sumsq, used)  # the engine's coefficient and bookkeeping, read at once
+        updates, coef = e._read_now()
         ph["d2h_wait"] = self.io.grads_landed()
         if self.delayed:
             self._apply_pending(ph)
-        if overflow:
-            e._skipped_steps += 1
-            e._last_grad_norm = float("inf")
-        else:
-            # the engine's formula (unscale x clip x the factor a local reducer left)
-            _, (norm, _, coef) = step_coef.coefficient(torch.tensor(sumsq, dtype=torch.float64), scale,
-                                                       e.reducer.unapplied, e.config.gradient_clipping)
-            e._last_grad_norm = float(norm)
+        if updates:
             e._fence_state()
-            self._update(float(coef), used, ph)
-            e._global_steps += 1
+            self._update(coef, used, ph)
         self.io.release_grads()
         e._zero_grads()
         ph["step"] = time.perf_counter() - t0
         self._phases = ph
         self._events = self.io.take_events()
-        return not overflow
+        return updates
 
-    def _grad_stats(self) -> tuple[float, list[bool]]:
-        """As ZeroEngine._grad_stats, with the norm of the device gradients (the host
-        staging may still be filling)."""
-        e = self.eng
-        w = e.tp_grads.weights
-        norm_sq = None
+    def _local_norm(self) -> "torch.Tensor | None":
+        """This rank's squared norm of the device gradients (the host staging may still be
+        filling); None: the optimizer's own (ZeroEngine._grad_stats)."""
         if self.norm is not None:
             try:
-                norm_sq = self.norm(w)
+                return self.norm(self.eng.tp_grads.weights)
             except Exception as err:  # noqa: BLE001  (e.g. NVRTC cannot build the kernel here)
                 console.say(f"offload: the device norm kernel failed ({type(err).__name__}: {err}); "
                             "the optimizer's per-segment norms instead")
                 self.norm = None
-        if norm_sq is None:
-            norm_sq = self.opt.grad_sq_norm(w)
-        with watchdog.waiting("device sync (gradient norm)"):
-            local = float(norm_sq)
-        local /= e.world if e.parts.owns_all else e.groups.replicas
-        vals = e.comm.allreduce_scalars([local] + e.reducer.used)
-        return vals[0], [v > 0 for v in vals[1:]]
+        return None
 
     def _update(self, coef: float, used, ph: dict) -> None:
         slot = self.slot

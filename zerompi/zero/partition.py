@@ -169,6 +169,12 @@ class FlatLayout:
         """Elements of the flat buffer that belong to no parameter."""
         return self.total - sum(self.numels)
 
+    @property
+    def alone(self) -> bool:
+        """Over one rank and not replicated: that rank owns every block whole, so nothing
+        is reduced or gathered (the engine's local reducer; the estimator counts none)."""
+        return self.world == 1 and self.replicas == 1
+
     def chunk_size(self, k: int) -> int:
         s, e = self.blocks[k]
         return (e - s) // self.world

@@ -78,13 +78,13 @@ class PartitionedParams:
         self.params, self.names, self.layout, self.state, self.comm = params, names, layout, state, comm
         dp = self.dp = groups.dp if groups is not None else comm
         self.cfg, self.model = cfg.stage3, plan.model
-        # Gathers on a private duplicate (counted with the group's traffic); rounds
-        # (rounds.py) on another (control messages, not the paper's traffic).
-        self.gcomm = comm.duplicate()
+        self.resident = comm.size == 1  # the shard is every unit's storage (docstring)
+        # Gathers on a private duplicate (counted with the group's traffic), rounds on
+        # another (control messages); resident: neither runs, so neither is made.
+        self.gcomm = None if self.resident else comm.duplicate()
         self.units: list[_Unit] = []
         self.unit_of: dict[int, _Unit] = {}
         pl, dtype = state.placement, state.param_dtype
-        self.resident = comm.size == 1  # the shard is every unit's storage (docstring)
         self.pool = None  # torch without storage swaps: units resize their own storage
         if gather_pool.available() and not self.resident:
             sizes = [hi - lo for lo, hi in layout.unit_spans]
@@ -145,8 +145,8 @@ class PartitionedParams:
         self._seq: list[int] = []                     # this phase's unit requests
         self._trace: dict[str, list[int]] = {"forward": [], "backward": []}  # last time's
         self._cursor = 0
-        self.rounds = Rounds(comm.split(0, comm.rank), self.units, self.cfg.prefetch_modules,
-                             self._predictions, self._gather, self._release)
+        self.rounds = Rounds(comm if self.resident else comm.split(0, comm.rank), self.units,
+                             self.cfg.prefetch_modules, self._predictions, self._gather, self._release)
         self._hooks = []
         if self.resident:
             self.serve = None  # nothing to serve while the reducer waits

@@ -52,7 +52,6 @@ def export_state(engine, views: bool = False) -> dict:
     {kind: [piece j's values]} instead: views of the engine's own buffers, no copy
     (the checkpoint writer streams them to disk; a concatenation of a large shard
     would cost seconds of page faults)."""
-    engine.settle()  # a step the device decided: its skip changes the step counts
     segs = _exporting_segments(engine)
     cols: dict[str, list] = {kind: [] for kind in STATE_KINDS}
     for s in segs:
@@ -107,9 +106,9 @@ def import_state(engine, fetch, steps: dict, param_groups: list, scaler: dict, c
     opt = engine.optimizer
     opt.load_state_dict({"steps": [int(steps[n]) for n in engine.param_names], "param_groups": param_groups})
     engine.scaler.load_state_dict(scaler)
-    engine.global_steps = int(counters["global_steps"])
+    engine._global_steps = int(counters["global_steps"])  # settled first (ZeroEngine.import_state)
     engine.micro_steps = int(counters["micro_steps"])
-    engine._skipped_steps = int(counters.get("skipped_steps", 0))  # global_steps' setter settled
+    engine._skipped_steps = int(counters.get("skipped_steps", 0))
     # Ranks finish their reads at different times; spinning in the all-gather's MPI wait
     # would take the cores of ranks still reading when ranks outnumber cores.
     engine.dims.world.barrier(poll=True)

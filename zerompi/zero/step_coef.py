@@ -70,12 +70,11 @@ def _on_device(s: torch.Tensor, scale: float, unapplied: float, clip: float):
 
 class Pending:
     """The host's view of a step whose decision stayed on the device: a non-blocking copy
-    of [norm, skip] into pinned memory and an event after it. read() waits for that event
-    only (by then, one step later, long done in practice), never for the stream."""
+    of [norm, skip, coef] into pinned memory and an event after it. read() waits for that
+    event only (by then, one step later, long done in practice), never for the stream."""
 
     def __init__(self, host_vals: torch.Tensor, step: int, used: list[bool] | None):
         self.step, self.used = step, used
-        self._vals = host_vals
         if host_vals.is_cuda:
             self._host = torch.empty(host_vals.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(host_vals, non_blocking=True)
