@@ -86,6 +86,13 @@ def pytest_collection_modifyitems(config, items):
         group = _xdist_group(item, rel)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    if "soak" not in (config.getoption("markexpr") or ""):
+        # Soak tests (the same fault N times in a row, long deadlines) run only when asked
+        # for by `-m soak`; the suite's budget has no room for them.
+        kept = [i for i in items if i.get_closest_marker("soak") is None]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("soak")])
+            items[:] = kept
     if hasattr(config, "workerinput"):  # an xdist worker: the order the controller hands out
         items[:] = _worker_order(items)
 
