@@ -238,7 +238,7 @@ def value_of(data: dict, key: str) -> Any:
     for part in key.split("."):
         cls, default = typing.get_type_hints(cls)[part], getattr(default, part)
         v = v.get(part, dataclasses.MISSING) if isinstance(v, dict) else dataclasses.MISSING
-    return default if v is dataclasses.MISSING else config._coerce(key, v, cls)
+    return default if v is dataclasses.MISSING else config.coerce(key, v, cls)
 
 
 def _dotted(d: dict, prefix: str = "") -> dict:
@@ -263,7 +263,7 @@ def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
     base = config.read_file(config_path) if config_path else {}
     run_data = json.loads(json.dumps(base))
     for k, v in overrides.items():
-        config._set_dotted(run_data, k, v)
+        config.set_dotted(run_data, k, v)
     ranks, tp = deepspeed.ranks(), value_of(run_data, "zero.tensor_parallel_size")
     if tp < 1 or ranks % tp:
         raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({ranks})")
@@ -275,15 +275,15 @@ def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
     data, replaced, beaten = json.loads(json.dumps(base)), [], []
     for key, v in {**_dotted({"zero": t.zero}), **t.trainer}.items():
         tmp: dict = {}
-        config._set_dotted(tmp, key, v)
+        config.set_dotted(tmp, key, v)
         new, old = value_of(tmp, key), value_of(base, key)
         if key in overrides:
             beaten.append(key)
         elif _dotted(base).get(key, dataclasses.MISSING) is not dataclasses.MISSING and old != new:
             replaced.append(f"{key} {_show(old)} -> {_show(new)}")
-        config._set_dotted(data, key, v)
+        config.set_dotted(data, key, v)
     for k, v in overrides.items():
-        config._set_dotted(data, k, v)
+        config.set_dotted(data, k, v)
     lr, low = value_of(data, "zero.optimizer.lr"), value_of(data, "min_lr")
     if t.lr_key and "zero.optimizer.lr" not in overrides and "min_lr" not in t.trainer \
             and value_of(data, "lr_schedule") != "deepspeed_warmup" and low > lr:
