@@ -11,7 +11,7 @@ reduce_scatter 'ordered' (the default) is an alltoall followed by a sum in rank 
 0..N-1 on the receiver: the pairwise-exchange algorithm, same bytes on the wire as any
 reduce-scatter, but every element is summed in the same order whatever the message size.
 MPICH picks its reduce-scatter/allreduce algorithm by message size, and at N >= 3 the
-algorithms sum in different orders (measured: ~30% of elements differ in the last bit),
+algorithms sum in different orders (many elements differ in the last bit),
 so results would otherwise depend on the bucket size.
 """
 from __future__ import annotations

@@ -67,13 +67,13 @@ class CheckpointConfig:
     more copy of this rank's optimizer state in host memory) and written in the background
     while training goes on; each is published at a later step boundary once every rank
     wrote its file. false (default): every save blocks all ranks until it is written; on
-    the measured 2-core VM a background write cost training about as much time as the
-    synchronous save it replaced (docs/checkpoints.md, "Asynchronous saves", Measured).
+    a CPU machine with few cores a background write can cost training as much time as the
+    synchronous save it replaces (docs/checkpoints.md, "Asynchronous saves", Measured).
     The final and stop-signal checkpoints are always written at once."""
     writer: str = "process"
     """process | thread: where the background write runs, a low-priority helper process
-    per rank (no GIL shared with training: its writes finished 2-10x sooner than the
-    thread's on the 2-core VM, docs/checkpoints.md) or a low-priority thread."""
+    per rank (no GIL shared with training: its writes finish sooner than the thread's,
+    docs/checkpoints.md) or a low-priority thread."""
 
     def __post_init__(self) -> None:
         if self.writer not in ("thread", "process"):

@@ -1,6 +1,7 @@
 """The run behind `python -m zerompi.train` (zerompi/train.py): the process grid, data,
 model, engine, resume and the training loop, once train.py has agreed the config and the node
-layout. Importing this imports torch (~1.2 CPU-s a rank), which train.py does only then.
+layout. Importing this imports torch (the costliest part of a rank's start-up), which train.py
+does only then.
 
 run() returns the command's exit code (train.py lists them) or raises a JobError that
 train.main turns into one line."""
