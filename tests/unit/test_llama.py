@@ -104,3 +104,11 @@ def test_presets_counts_and_config_round_trip():
     assert tiny.tp_problem(2) is None
     with pytest.raises(ValueError, match="config.json: model_type 'bert'"):
         hf_names.config_from_hf({"model_type": "bert"})
+
+
+def test_tp_that_does_not_divide_kv_heads_is_refused_naming_the_key():
+    from zerompi.config.errors import ConfigError
+    from zerompi.parallel.parallelize import check_tp
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size.*n_kv_head \(2\)"):
+        check_tp(PRESETS["tiny"], 4)
