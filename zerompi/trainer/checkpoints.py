@@ -19,6 +19,7 @@ from .. import runtime
 from ..checkpoint import flush, poll, save
 from ..checkpoint.async_save import saver_of
 from ..checkpoint.resume import ResumeError
+from ..models.arch import ARCHITECTURE, record
 from ..runtime.console import say
 
 
@@ -91,7 +92,6 @@ def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
     return out
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")
 SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
             "zero.optimizer.lr")
 DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
@@ -123,9 +123,10 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
             + " than the checkpoint: the data order will not match an uninterrupted run", rank=world.rank)
 
 
-def model_state(gpt_cfg) -> dict:
-    """The train CLI's architecture record (saved in checkpoints)."""
-    return {k: getattr(gpt_cfg, k) for k in ARCHITECTURE}
+def model_state(shape) -> dict:
+    """The train CLI's architecture record (saved in checkpoints): the family and its
+    shape (a GPTConfig or LlamaConfig), models/arch.py."""
+    return record(shape)
 
 
 def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
