@@ -234,7 +234,12 @@ def _init_from(engine, cfg, family: str, dims) -> None:
     from ..models.llama_config import read_hf_config
 
     t0 = time.perf_counter()
-    load_hf(engine, cfg.init_from, family)
+    try:
+        load_hf(engine, cfg.init_from, family)
+    except ValueError as e:  # raised by every rank together (agreed in load_hf / load_full)
+        err = runtime.JobError(str(e))
+        err.exit_code = EXIT_USAGE
+        raise err from None
     if dims.rank == 0:
         note = gpt_activation_note(read_hf_config(cfg.init_from)) if family == "gpt" else None
         say(f"weights from {cfg.init_from} ({time.perf_counter() - t0:.1f} s)" + (f"; note: {note}" if note else ""),
