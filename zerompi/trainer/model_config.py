@@ -97,9 +97,10 @@ class ModelConfig:
             changes.setdefault("head_dim", 0)  # recomputed from the new width
         try:
             return dataclasses.replace(base, **changes)
-        except ValueError as e:  # n_embd not divisible by n_head, ...
-            fail("n_head" if "n_head" in str(e) else "n_kv_head" if "n_kv_head" in str(e) else "n_embd",
-                 getattr(self, "n_head") or base.n_head, str(e))
+        except ValueError as e:  # n_embd not divisible by n_head, ...: name a key the user set
+            key = next((k for k in ("n_kv_head", "n_head", "n_embd") if k in str(e) and getattr(self, k)),
+                       "config" if self.config else "preset")
+            fail(key, getattr(self, key), str(e))
 
     def gpt_config(self):
         """The shape of either family (the name is older than the llama family)."""
