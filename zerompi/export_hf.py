@@ -27,9 +27,27 @@ from .checkpoint import verify as ver
 from .checkpoint.directory import resolve
 from .checkpoint.format import CheckpointError
 from .checkpoint.reader import PieceReader
-from .export import _ITEMSIZE, _numel, _tensor_bytes
 from .models import arch, hf_names
 from .runtime.fileio import atomic_file, atomic_write
+
+_ITEMSIZE = {"F32": 4, "BF16": 2}
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape)) if shape else 1
+
+
+def _tensor_bytes(reader: PieceReader, m: dict, item: dict) -> np.ndarray:
+    """One parameter's values in its output dtype (fp32, or bf16 as int16 bits), the way
+    export.py reads them (not imported: export.py's --hf imports this module)."""
+    vals = reader.read("param", item["name"], 0, _numel(item["shape"]))
+    if item["st"] == "BF16":
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).to(torch.bfloat16) \
+            .view(torch.int16).numpy()
+    return vals.astype(np.float32, copy=False)
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
