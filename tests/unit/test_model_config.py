@@ -64,3 +64,18 @@ def test_architecture_record_round_trip_and_resume_comparison():
     assert compare(old, arch.record(gpt), arch.ARCHITECTURE) == []  # checkpoints before the llama family
     assert arch.shape_of(old) == GPTConfig(**old)
     assert arch.flops_per_token(gpt, 64) == 6 * 120576 - 6 * 64 * 64 + 12 * 2 * 64 * 64
+
+
+def test_export_help_names_hf_and_the_real_checksums(capsys):
+    from zerompi import export
+    from zerompi.export_hf import parse_size
+
+    with pytest.raises(SystemExit):
+        export.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--hf DIR" in out and "from_pretrained" in out
+    assert "CRC-32 per 64 MiB block" in out and "skip the sha256 pass" not in out
+    with pytest.raises(SystemExit):
+        export.main(["ckpt"])  # neither OUT nor --hf
+    assert "give either OUT or --hf DIR" in capsys.readouterr().err
+    assert parse_size("5GB") == 5 << 30 and parse_size("40KB") == 40 << 10 and parse_size("512MiB") == 512 << 20
