@@ -112,8 +112,12 @@ def load_full_state_dict(engine, state_dict: dict | None, strict: bool = True) -
         if comm.rank == 0:
             t = state_dict[key].detach().to("cpu", dt)
             # this tp rank's slice (a copy; padding rows zero), or the whole tensor
-            t = tp_layout.local_index(target, t) if tp_layout.split_of(target) is not None \
-                else t.contiguous().clone()
+            if tp_layout.split_of(target) is not None:
+                t = tp_layout.local_index(target, t)
+            elif not hasattr(state_dict, "shape_of"):  # a streamed tensor is ours already
+                t = t.contiguous().clone()
+            else:
+                t = t.contiguous()
         else:
             t = torch.empty(target.shape, dtype=dt)
         comm.broadcast(t.view(-1), root=0)
