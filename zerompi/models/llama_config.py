@@ -7,7 +7,7 @@ the same, so the trainer reads either family's shape the same way."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 __all__ = ["LlamaConfig", "PRESETS", "count_params", "from_hf", "to_hf", "read_hf_config"]
 
@@ -166,7 +166,3 @@ def to_hf(cfg: LlamaConfig, extra: dict | None = None) -> dict:
          "torch_dtype": "float32"}
     d.update(extra or {})
     return d
-
-
-def as_dict(cfg: LlamaConfig) -> dict:
-    return asdict(cfg)
