@@ -4,8 +4,8 @@ same weights, its document mask, presets and config.json in both directions.
 Tolerance of the logits: max |ours - transformers| <= 1e-5 x max |logits|, in fp32 on
 the CPU. Both compute the same operations in the same order except the attention
 (ours: torch's scaled_dot_product_attention with grouped kv heads; transformers' eager
-path: repeat_kv, matmul, softmax, matmul), whose different summation order costs a few
-fp32 roundings (~1e-7 relative) per layer; 1e-5 leaves a wide margin over that while
+path: repeat_kv, matmul, softmax, matmul), whose different summation order costs fp32
+rounding (docs/models.md gives the measured size); 1e-5 leaves a wide margin over that while
 every real mistake (RoPE's half-rotation or frequencies, kv heads mapped to the wrong
 query heads, RMSNorm's eps or dtype, SwiGLU's gate and up swapped) moves the logits by
 percent. Weights are drawn wider than transformers' init (std 0.2) so the logits are
