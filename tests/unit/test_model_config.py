@@ -79,3 +79,27 @@ def test_export_help_names_hf_and_the_real_checksums(capsys):
         export.main(["ckpt"])  # neither OUT nor --hf
     assert "give either OUT or --hf DIR" in capsys.readouterr().err
     assert parse_size("5GB") == 5 << 30 and parse_size("40KB") == 40 << 10 and parse_size("512MiB") == 512 << 20
+
+
+def test_resume_names_another_family_before_loading(monkeypatch):
+    from zerompi.checkpoint import resume as resume_mod
+    from zerompi.checkpoint import verify
+    from zerompi.checkpoint.resume import ResumeError
+    from zerompi.trainer.checkpoints import check_architecture_first
+
+    class World:
+        rank = 0
+
+        def bcast_object(self, obj, root=0):
+            return obj
+
+    saved = {"client_state": {"model": arch.record(LLAMA_PRESETS["tiny"])}}
+    monkeypatch.setattr(resume_mod, "_candidates", lambda d, r: (["ckpt/step_0000004"], []))
+    monkeypatch.setattr(verify, "read_manifest", lambda path: saved)
+    with pytest.raises(ResumeError, match=r"model family: checkpoint 'llama', config 'gpt'; use|"
+                                          r"model family: checkpoint 'llama', config 'gpt' \(same"):
+        check_architecture_first(World(), "ckpt", "", arch.record(GPT_PRESETS["tiny"]))
+    check_architecture_first(World(), "ckpt", "", arch.record(LLAMA_PRESETS["tiny"]))  # same: nothing
+    reshaped = arch.record(LLAMA_PRESETS["small"])
+    with pytest.raises(ResumeError, match="model n_layer: checkpoint 2, config 4"):
+        check_architecture_first(World(), "ckpt", "", reshaped)

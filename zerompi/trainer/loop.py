@@ -31,7 +31,8 @@ from ..parallel.dims import ParallelDims
 from ..runtime import rundir, watchdog
 from ..runtime.console import say
 from ..runtime.fileio import atomic_write
-from .checkpoints import TrainCheckpoints, agreed_data_state, check_train_changes, model_state
+from .checkpoints import (TrainCheckpoints, agreed_data_state, check_architecture_first, check_train_changes,
+                          model_state)
 from .progress import Progress, batch_note, finish_message
 from .schedule import lr_at, position
 
@@ -181,6 +182,8 @@ def run(cfg, nodes) -> int:
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
+    if cfg.resume:  # sync: another family or shape is said as such, before any load
+        check_architecture_first(dims.world, ckpt_dir, cfg.resume_from, model_state(shape))
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
     check_train_changes(dims.world, client, to_dict(cfg), model_state(shape), data_state,  # sync
