@@ -14,47 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import loading as config
-from ..config.errors import fail
+from ..config.errors import ConfigError, fail
 from ..config.loading import parse_overrides
 from ..config.zero import ZeroConfig
-from ..models.gpt_config import PRESETS
+from .model_config import ModelConfig
 from .schedule import KINDS
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which GPT to train: a preset from zerompi.models.gpt_config.PRESETS, optionally reshaped."""
-
-    preset: str = "tiny"
-    """tiny | small | gpt-20m | gpt-200m | gpt2 | gpt-1b."""
-    n_layer: int = 0
-    """Transformer blocks; 0 keeps the preset's value (same for n_head, n_embd, vocab_size)."""
-    n_head: int = 0
-    n_embd: int = 0
-    vocab_size: int = 0
-    dropout: float = 0.0
-    """Dropout probability (every preset uses 0)."""
-    bias: bool = True
-    """Linear and LayerNorm biases (every preset has them)."""
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
-        for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
-            if getattr(self, k) < 0:
-                fail(k, getattr(self, k), "must be >= 0 (0 = the preset's)")
-        if not 0.0 <= self.dropout < 1.0:
-            fail("dropout", self.dropout, "must be in [0, 1)")
-        self.gpt_config()  # n_embd divisible by n_head
-
-    def gpt_config(self):
-        base = PRESETS[self.preset]
-        changes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
-                   if getattr(self, k)}
-        try:
-            return dataclasses.replace(base, dropout=self.dropout, bias=self.bias, **changes)
-        except ValueError as e:  # n_embd not divisible by n_head
-            fail("n_head", self.n_head or base.n_head, str(e))
 
 
 @dataclass(frozen=True)
@@ -85,6 +49,15 @@ class TrainConfig:
     """Everything one training run needs. The engine's settings live in `zero`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    init_from: str = ""
+    """A local Hugging Face checkpoint directory (config.json, model.safetensors or
+    sharded with model.safetensors.index.json) whose weights start the run, at any stage
+    and world size, streamed one tensor at a time (docs/models.md). The model's shape is
+    its config.json unless model.config says otherwise. Not used when the run resumes
+    from a checkpoint of its own."""
+    tokenizer: str = ""
+    """The tokenizer the data was made with (a tokenizer.json, or a directory of
+    tokenizer files); `python -m zerompi.export --hf` copies its files."""
     data: str = "default"
     """'default' (byte-level Python stdlib, built on first use), a .bin token file,
     or file.h5:/dataset."""
@@ -156,6 +129,14 @@ class TrainConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
+        if self.init_from and not self.model.config:
+            # the checkpoint's own shape, recorded in config.json and checkpoints as such
+            try:
+                object.__setattr__(self, "model", dataclasses.replace(self.model, config=self.init_from))
+            except ConfigError as e:
+                fail("init_from", self.init_from, e.why)
+        if self.tokenizer and not os.path.exists(self.tokenizer):
+            fail("tokenizer", self.tokenizer, "no such file or directory")
         positive = ("global_batch",)
         non_negative = ("block_size", "max_steps", "warmup_steps", "lr_decay_steps", "eval_interval",
                         "checkpoint_interval", "keep_last", "threads")
@@ -182,9 +163,9 @@ class TrainConfig:
             fail("warmup_start_lr", self.warmup_start_lr, "must be >= 0")
         if self.lr_schedule != "deepspeed_warmup" and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
             fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
-        if self.block_size > self.model.gpt_config().block_size:
+        if self.block_size > self.model.shape().block_size:
             fail("block_size", self.block_size,
-                  f"must be <= the model's context length {self.model.gpt_config().block_size}")
+                  f"must be <= the model's context length {self.model.shape().block_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", self.device, "must be auto, cpu or cuda")
         if self.progress not in ("auto", "bar", "lines", "none"):
@@ -196,7 +177,7 @@ class TrainConfig:
 
     @property
     def seq_len(self) -> int:
-        return self.block_size or self.model.gpt_config().block_size
+        return self.block_size or self.model.shape().block_size
 
 
 def load(source: "str | os.PathLike | dict | None" = None,

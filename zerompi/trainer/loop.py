@@ -26,13 +26,14 @@ from ..checkpoint.resume import resume
 from ..config import to_dict
 from ..data import TokenSampler, default_corpus, split_tokens
 from ..data.check import CheckedSampler, open_agreed
-from ..models.gpt import GPT
+from ..models import arch
 from ..optim import decay_groups
 from ..parallel.dims import ParallelDims
 from ..runtime import rundir, watchdog
 from ..runtime.console import say
 from ..runtime.fileio import atomic_write
-from .checkpoints import TrainCheckpoints, agreed_data_state, check_train_changes, model_state
+from .checkpoints import (TrainCheckpoints, agreed_data_state, check_architecture_first, check_train_changes,
+                          model_state)
 from .progress import Progress, batch_note, finish_message
 from .schedule import lr_at, position
 
@@ -143,7 +144,7 @@ def run(cfg, nodes) -> int:
         if dims.rank == 0:
             default_corpus()  # build the cache once, not on every rank at the same time
         dims.world.barrier()  # sync: nobody opens the cache before it is complete
-    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.gpt_config().vocab_size
+    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.shape().vocab_size
     spec = str(default_corpus()) if cfg.data == "default" else cfg.data
     # Format, size and a sample of ids checked before any step; the rest as batches are read.
     tokens = open_agreed(spec, V, T, cfg.val_fraction, bool(cfg.eval_interval), dims.world)
@@ -156,10 +157,15 @@ def run(cfg, nodes) -> int:
     val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
 
     # ---------------------------------------------------------------- model and engine
-    gpt_cfg = cfg.model.gpt_config()
-    torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
-    model = GPT(gpt_cfg)
-    n_params, n_total = model.num_params(non_embedding=True), model.num_params()  # before any tp split
+    shape, family = cfg.model.shape(), cfg.model.kind
+    if cfg.init_from and cfg.zero.stage == 3 and dims.tp_size == 1:
+        # the weights come from the file: build partitioned, never the whole random model
+        with zerompi.Init(cfg.zero, dims=dims, seed=cfg.seed):
+            model = arch.build(shape)
+    else:
+        torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
+        model = arch.build(shape)
+    n_total = arch.num_params(shape)  # the whole model's, whatever the tp split or stage
     if dims.tp_size > 1:
         from ..parallel.parallelize import parallelize
 
@@ -169,8 +175,7 @@ def run(cfg, nodes) -> int:
     groups = decay_groups(model, cfg.zero.optimizer.weight_decay)
     engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)
     G = engine.gradient_accumulation_steps
-    # Training FLOPs per token as GPT.flops_per_token, at the sequence length actually used.
-    flops_per_token = 6 * n_params + 12 * gpt_cfg.n_layer * gpt_cfg.n_embd * T  # whole model
+    flops_per_token = arch.flops_per_token(shape, T)  # whole model, at the sequence length used
     peak = cfg.peak_flops or threads * 100e9
     mfu_label = "mfu" if cfg.peak_flops else "mfu~"  # "~": against a guessed CPU peak
 
@@ -178,11 +183,15 @@ def run(cfg, nodes) -> int:
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
+    if cfg.resume:  # sync: another family or shape is said as such, before any load
+        check_architecture_first(dims.world, ckpt_dir, cfg.resume_from, model_state(shape))
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
-    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
+    check_train_changes(dims.world, client, to_dict(cfg), model_state(shape), data_state,  # sync
                         {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
     start_step = int(client["step"]) if client else 0
+    if cfg.init_from and client is None:  # sync: collective; a resumed run has its own weights
+        _init_from(engine, cfg, family, dims)
     def info(line: str) -> None:
         say(line, rank=dims.rank, prog=PROG, err=False)
 
@@ -190,7 +199,8 @@ def run(cfg, nodes) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step, client.get("metrics") if client else None)
-        info(f"{n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
+        info(f"{n_total / 1e6:.2f}M-parameter {'Llama' if family == 'llama' else 'GPT'} "
+             f"({cfg.init_from or cfg.model.config or cfg.model.preset}), "
              f"{dims.world.size} ranks x {threads} threads"
              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
              + f", ZeRO stage {cfg.zero.stage} "
@@ -210,7 +220,7 @@ def run(cfg, nodes) -> int:
         # The steps raise a JobError (a diverged run) on every rank together: the ranks still
         # talk, so the background save in flight (of a good step) is finished and published.
         # Any other exception ends the job without a collective; that save is never published.
-        code = _loop(Run(cfg, engine, dims, device, train_data, val_data, data_state, model_state(gpt_cfg),
+        code = _loop(Run(cfg, engine, dims, device, train_data, val_data, data_state, model_state(shape),
                          progress, checkpoints, ckpt_dir, start_step, flops_per_token, peak))
     except runtime.JobError:
         checkpoints.flush()
@@ -219,6 +229,25 @@ def run(cfg, nodes) -> int:
         runtime.exit_together(code, dims.world, before=[lock.release] if lock else [],
                               stop_mpi_users=[watchdog.close])
     return code
+
+
+def _init_from(engine, cfg, family: str, dims) -> None:
+    """The weights of the HF checkpoint cfg.init_from, streamed into the engine."""
+    from ..models.hf_names import gpt_activation_note
+    from ..models.hf_weights import load_hf
+    from ..models.llama_config import read_hf_config
+
+    t0 = time.perf_counter()
+    try:
+        load_hf(engine, cfg.init_from, family)
+    except ValueError as e:  # raised by every rank together (agreed in load_hf / load_full)
+        err = runtime.JobError(str(e))
+        err.exit_code = EXIT_USAGE
+        raise err from None
+    if dims.rank == 0:
+        note = gpt_activation_note(read_hf_config(cfg.init_from)) if family == "gpt" else None
+        say(f"weights from {cfg.init_from} ({time.perf_counter() - t0:.1f} s)" + (f"; note: {note}" if note else ""),
+            rank=0, prog=PROG, err=False)
 
 
 def _loop(run: Run) -> int:
