@@ -94,7 +94,7 @@ def test_resume_names_another_family_before_loading(monkeypatch):
             return obj
 
     saved = {"client_state": {"model": arch.record(LLAMA_PRESETS["tiny"])}}
-    monkeypatch.setattr(resume_mod, "_candidates", lambda d, r: (["ckpt/step_0000004"], []))
+    monkeypatch.setattr(resume_mod, "candidates", lambda d, r: (["ckpt/step_0000004"], []))
     monkeypatch.setattr(verify, "read_manifest", lambda path: saved)
     with pytest.raises(ResumeError, match=r"model family: checkpoint 'llama', config 'gpt'; use|"
                                           r"model family: checkpoint 'llama', config 'gpt' \(same"):

@@ -136,10 +136,10 @@ def check_architecture_first(world, ckpt_dir, resume_from: str, model: dict) -> 
     msg = None
     if world.rank == 0:
         from ..checkpoint import verify
-        from ..checkpoint.resume import _candidates
+        from ..checkpoint.resume import candidates
 
         try:
-            paths, _ = _candidates(str(ckpt_dir), resume_from)
+            paths, _ = candidates(str(ckpt_dir), resume_from)
             saved = (verify.read_manifest(paths[0]).get("client_state") or {}).get("model") if paths else None
         except Exception:  # noqa: BLE001 - resume() reports what is wrong with the directory
             saved = None
