@@ -45,7 +45,7 @@ for p in (str(ROOT), str(HERE)):
         sys.path.insert(0, p)
 
 from bench_checkpoint import build_model, machine_info  # noqa: E402
-from launch import launch  # noqa: E402
+from harness import launch  # noqa: E402
 
 ORDER = ("sync", "thread", "process", "process", "thread", "sync")
 

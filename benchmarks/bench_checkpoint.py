@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch import launch
+from harness import launch
 
 
 def machine_info(directory: str) -> dict:

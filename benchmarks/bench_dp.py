@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_env import (
+from harness import (
     DEFAULT_SHAPES,
     GiB,
     MALLOC_ENVS,
@@ -210,8 +210,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mem-limit-gib", type=float, default=20.0,
                     help="driver: skip runs predicted to need more RAM (all ranks)")
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="driver: seconds per run")
-    ap.add_argument("--wait-quiet", type=float, default=0.0,
-                    help="driver: before each run wait until the 1-min load average is below this (0: off)")
+    ap.add_argument("--wait-quiet", type=float, default=1.0,
+                    help="driver: before each run wait until at most this fraction of the machine is busy (1: no wait)")
     ap.add_argument("--wait-quiet-max", type=float, default=600.0, help="driver: longest such wait, s")
     ap.add_argument("--work-dir", default=None, help="driver: per-run JSON and logs (default: a temp dir)")
     ap.add_argument("--out", required=True, help="JSON output (worker: one run; driver: merged)")

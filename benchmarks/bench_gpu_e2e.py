@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
 from e2e_systems import build, check_names, end_process_group, engine_config, new_model  # noqa: E402

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench_env import HERE, ROOT, machine_info  # first: this checkout's zerompi on sys.path
+from harness import HERE, ROOT, machine_info  # first: this checkout's zerompi on sys.path
 import host_proxy_count as hc  # noqa: E402
 import host_proxy_fit as fit  # noqa: E402
 import host_proxy_skeleton as hs  # noqa: E402
@@ -260,7 +260,7 @@ def worker(a) -> int:
 
 
 def ranks(a, world: int) -> dict:
-    from launch import launch
+    from harness import launch
 
     argv = [HERE / "bench_host_proxy.py", "--worker", "--models", ",".join(a.models),
             "--stages", ",".join(map(str, a.stages)), "--world", ",".join(map(str, a.world)),

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info  # first: puts this checkout's zerompi on sys.path
 from zerompi.kernels import adamw_table as kt  # noqa: E402
 from zerompi.kernels import cast as kcast  # noqa: E402
 from zerompi.kernels.adamw import adamw_scalars  # noqa: E402

@@ -35,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench_env import machine_info, mem_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info, mem_info  # first: puts this checkout's zerompi on sys.path
 
 import torch  # noqa: E402
 

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info  # first: puts this checkout's zerompi on sys.path
 
 import torch  # noqa: E402
 

@@ -49,57 +49,28 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_env import RANK_ENV
+from harness import RANK_ENV, ForeignCpu, wait_quiet
 from calibrate_workers import worker
-from launch import launch
+from harness import launch
 from zerompi.comm import cost_model as cm
 
 TOL = 0.30
 
 
 # ================================================================ driver
-def _cpu_busy() -> float:
-    """Busy CPU seconds of the whole machine since boot (/proc/stat, all cores)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-
-
-def _children_cpu() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def wait_quiet(max_busy: float, max_wait: float) -> dict:
-    """Wait (up to max_wait s) until the machine's busy fraction over 3 s is below
-    max_busy: our ranks spin, so any other process on these 2 cores changes the timings."""
-    t0, cores = time.time(), os.cpu_count() or 1
-    while True:
-        b0 = _cpu_busy()
-        time.sleep(3.0)
-        busy = (_cpu_busy() - b0) / (3.0 * cores)
-        if busy <= max_busy or time.time() - t0 > max_wait:
-            return {"busy_fraction_before": busy, "waited_s": time.time() - t0}
-        print(f"  machine busy ({100 * busy:.0f}% of {cores} cores), waiting ...", flush=True)
-
-
 def run_job(n: int, phase: str, args, work: Path, rep: int = 0) -> dict:
-    quiet = wait_quiet(args.max_busy, args.max_wait) if args.max_busy < 1 else {}
+    quiet = wait_quiet(args.max_busy, args.max_wait)
     out = work / f"{phase}-n{n}-r{rep}.json"
     argv = [Path(__file__).resolve(), "--worker", phase, "--out", out] + args.passthrough
-    t0, b0, c0 = time.time(), _cpu_busy(), _children_cpu()
-    job = launch(n, argv, timeout=args.timeout, echo=True)
+    with ForeignCpu() as other:
+        job = launch(n, argv, timeout=args.timeout, echo=True)
     if not job.ok:
         raise SystemExit(f"{phase} at N={n} failed ({job.status}): {job.command_line}")
-    wall, busy, own = time.time() - t0, _cpu_busy() - b0, _children_cpu() - c0
     res = json.loads(out.read_text())
-    res["wall_s"] = wall
-    # CPU used by other processes while this job ran, as a fraction of the machine
-    res["foreign_cpu_fraction"] = max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
+    res["wall_s"] = other.wall
+    res["foreign_cpu_fraction"] = other.fraction  # CPU other processes used meanwhile, of the machine
     res["quiet_wait"] = quiet
-    print(f"  {phase} N={n}: {wall:.0f} s, other processes used "
+    print(f"  {phase} N={n}: {other.wall:.0f} s, other processes used "
           f"{100 * res['foreign_cpu_fraction']:.0f}% of the machine meanwhile", flush=True)
     res["command"] = job.command_line
     return res

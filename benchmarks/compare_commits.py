@@ -35,10 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_env import DEFAULT_SHAPES, RANK_ENV, machine_info, mem_info, software_info
+from harness import DEFAULT_SHAPES, RANK_ENV, launch, machine_info, mem_info, software_info, wait_quiet
 from compare_report import GiB, overall, plot, print_table, summarize
 from compare_sides import EXTRA_BATCH, EXTRA_SHAPES, _tree_sha256, side_info
-from launch import launch
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_BEFORE = "/tmp/zerompi-before"
@@ -82,10 +81,7 @@ def run_one(args, side: str, root: str, worker_dir: Path, cfg: dict, rep: int,
         worker_args += ["--bucket-size", str(args.bucket_size)]
     argv = [HERE / "compare_sides.py", "--worker-root", root, "--worker-dir", worker_dir, "--",
             *worker_args]
-    if args.wait_quiet > 0:
-        deadline = time.monotonic() + args.wait_quiet_max
-        while os.getloadavg()[0] > args.wait_quiet and time.monotonic() < deadline:
-            time.sleep(10)
+    wait_quiet(args.wait_quiet, args.wait_quiet_max)  # the machine is shared: other work skews timings
     code_sha = _tree_sha256(Path(root) / "zerompi")
     load0 = os.getloadavg()
     # PYTHONPATH starts with the side's root; an interrupt kills the job and propagates
@@ -267,8 +263,8 @@ def main(argv=None) -> None:
     ap.add_argument("--worker", default="shared", choices=["shared", "each"],
                     help="shared: the bench_dp worker next to this script for both sides; "
                          "each: every side's own benchmarks/bench_dp.py")
-    ap.add_argument("--wait-quiet", type=float, default=0.0,
-                    help="before each run wait until the 1-min load average is below this (0: off)")
+    ap.add_argument("--wait-quiet", type=float, default=1.0,
+                    help="before each run wait until at most this fraction of the machine is busy (1: no wait)")
     ap.add_argument("--wait-quiet-max", type=float, default=300.0, help="longest such wait, s")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per mpiexec")
     ap.add_argument("--machine-label", default=None,

@@ -11,7 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_env import (
+from harness import (
+    launch,
+    wait_quiet,
     DEFAULT_SHAPES,
     GiB,
     HERE,
@@ -22,7 +24,6 @@ from bench_env import (
     software_info,
 )
 from dp_systems import _zerompi_default_bucket, expected_model_state_bytes, parse_system
-from launch import launch
 import plot_dp
 
 
@@ -152,10 +153,7 @@ def driver(args) -> None:
             doc["skipped"].append(entry)
             print(f"[driver] skip {tag}: {entry['reason']}", flush=True)
             continue
-        if args.wait_quiet > 0:  # the machine is shared: wait (bounded) for other work to end
-            deadline = time.monotonic() + args.wait_quiet_max
-            while os.getloadavg()[0] > args.wait_quiet and time.monotonic() < deadline:
-                time.sleep(10)
+        wait_quiet(args.wait_quiet, args.wait_quiet_max)  # the machine is shared: other work skews timings
         rfile = work / f"{tag}.json"
         argv = [script, "--system", s, "--model", m, "--micro-batch", bsz, "--seq-len", seq,
                 "--warmup", args.warmup, "--steps", steps, "--threads", args.threads,

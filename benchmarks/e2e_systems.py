@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-import bench_env  # noqa: F401  first: puts this checkout's zerompi on sys.path
+import harness  # noqa: F401  first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT  # noqa: E402
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_env import ROOT  # also puts this checkout first on sys.path
+from harness import ROOT  # also puts this checkout first on sys.path
 
 # dense bf16 FLOP/s per GPU by name (vendor datasheets), for MFU; 0 when unknown
 PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]

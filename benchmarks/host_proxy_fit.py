@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_env import ROOT
+from harness import ROOT
 
 DEFAULT_RUNS = "benchmarks/results/gpu/h100-2026-11-27*/**/e2e*.json"
 PRE, POST = ("forward", "backward", "after_backward"), ("step",)

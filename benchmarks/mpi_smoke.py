@@ -10,7 +10,7 @@ import json
 
 import torch
 
-import bench_env  # noqa: F401  (puts this checkout first on sys.path)
+import harness  # noqa: F401  first: puts this checkout's zerompi on sys.path
 from zerompi.comm import create
 from zerompi.runtime import init
 

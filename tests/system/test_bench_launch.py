@@ -1,4 +1,4 @@
-"""benchmarks/launch.py, the one way benchmarks start jobs: a driver killed without a
+"""benchmarks/harness.py (zerompi/runtime/jobs.py), the one way benchmarks start jobs: a driver killed without a
 chance to clean up (SIGKILL) leaves no rank running."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ time.sleep(600)
 """
 DRIVER = """import sys
 sys.path.insert(0, sys.argv[1])
-from launch import launch
+from harness import launch
 launch(2, [sys.argv[2], sys.argv[3]], timeout=600)
 """
 
