@@ -8,8 +8,8 @@ Worker mode (one job = one system x model x N):
 
 Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
 
-    python benchmarks/bench_checkpoint.py --driver --machine vm \
-        --out benchmarks/results/checkpoint_cpu.json --png benchmarks/results/checkpoint_cpu.png
+    python benchmarks/bench_checkpoint.py --driver --machine vm --out benchmarks/results/checkpoint_vm_202611.json
+    python benchmarks/bench_checkpoint.py --replot benchmarks/results/checkpoint_vm_202611.json
 
 Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
 training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
@@ -27,33 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness import launch
-
-
-def machine_info(directory: str) -> dict:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fs = "?"
-    try:
-        out = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()[-1].split()
-        fs = f"{out[0]} ({out[1]})"
-    except Exception:
-        pass
-    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem / 2**30, 1),
-            "disk": fs, "python": platform.python_version(), "load_avg_at_start": os.getloadavg()}
+from harness import launch, machine_info, pyplot, save_figure, write_json
 
 
 def drop_caches() -> bool:
@@ -267,7 +247,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
 def driver(a) -> None:
     import torch
 
-    from zerompi.models.gpt import PRESETS, count_params
+    from zerompi.models.gpt import count_params
 
     os.makedirs(a.workdir, exist_ok=True)
     results, notes = [], []
@@ -288,16 +268,14 @@ def driver(a) -> None:
     report = {"benchmark": "checkpoint save/load", "model": a.model + (f" (vocab {a.vocab})" if a.vocab else ""),
               "params": count_params(model_config(a.model, a.vocab)), "precision": "fp32", "zerompi_stage": 2,
               "repeats": a.repeats, "timing": "best of repeats, wall clock between barriers",
-              "machine": machine_info(a.workdir), "torch": torch.__version__,
+              "machine": {**machine_info(a.workdir), "load_avg_at_start": os.getloadavg()}, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes,
               "checks": checks(results)}
     if a.machine:
         report["machine"]["name"] = a.machine
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1))
-    if a.png:
-        plot(report, a.png)
-    print(f"wrote {a.out}" + (f" and {a.png}" if a.png else ""))
+    write_json(a.out, report)
+    plot(report, Path(a.out).with_suffix(".png"))
+    print(f"wrote {a.out} and its PNG")
 
 
 def checks(results: list[dict]) -> dict:
@@ -323,11 +301,7 @@ def checks(results: list[dict]) -> dict:
 
 
 def plot(report: dict, png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in report["results"] if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. checksum verify)")):
@@ -346,14 +320,13 @@ def plot(report: dict, png: str) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     m = report["machine"]
-    fig.suptitle(f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
-                 f"throughput — {m.get('name', m['hostname'])}: {m['cores']} cores {m['cpu']}, "
-                 f"{m['ram_gib']} GiB, {m['disk']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    ram = m.get("ram_gib") or round((m.get("ram_bytes") or 0) / 2**30, 1)
+    save_figure(fig, png, f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
+                f"throughput — {m.get('name', m.get('node', m.get('hostname')))}: {m['cores']} cores "
+                f"{m.get('cpu_model', m.get('cpu'))}, {ram} GiB, {m['disk']}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--driver", action="store_true")
     ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
@@ -368,9 +341,12 @@ def main() -> None:
     ap.add_argument("--ds-python", default="", help="python that can import deepspeed (default: this one)")
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--timeout", type=int, default=1800)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--png", default="")
-    a = ap.parse_args()
+    ap.add_argument("--out")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a report (next to it)")
+    a = ap.parse_args(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return
     if a.driver:
         driver(a)
         return

@@ -7,10 +7,10 @@ Worker mode (one MPI job = one system x model x N, so peak RSS belongs to that s
     mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --system zerompi-3 --model gpt-20m --out r.json
 
 Driver mode (loops systems x models x N x malloc settings, one mpiexec each, merges the
-per-run JSON into one file and draws the PNG with benchmarks/plot_dp.py):
+per-run JSON into one file and draws the PNG next to it; --replot redraws it):
 
-    python benchmarks/bench_dp.py --driver --out benchmarks/results/dp_cpu.json \
-        --png benchmarks/results/dp_cpu.png
+    python benchmarks/bench_dp.py --driver --out benchmarks/results/dp_vm_202611.json
+    python benchmarks/bench_dp.py --replot benchmarks/results/dp_vm_202611.json
 
 Systems: zerompi-0/1/2/3 (fp32; a "-bf16" suffix runs bf16; zerompi-3 builds the model
 under zerompi.Init), ddp (DistributedDataParallel), torch-zero (ZeroRedundancyOptimizer(AdamW)
@@ -51,7 +51,7 @@ from dp_systems import (
     expected_model_state_bytes,
     parse_system,
 )
-from dp_driver import driver
+from dp_driver import driver, plot
 
 
 
@@ -214,17 +214,18 @@ def main(argv=None) -> None:
                     help="driver: before each run wait until at most this fraction of the machine is busy (1: no wait)")
     ap.add_argument("--wait-quiet-max", type=float, default=600.0, help="driver: longest such wait, s")
     ap.add_argument("--work-dir", default=None, help="driver: per-run JSON and logs (default: a temp dir)")
-    ap.add_argument("--out", required=True, help="JSON output (worker: one run; driver: merged)")
-    ap.add_argument("--png", default=None, help="driver: plot file")
+    ap.add_argument("--out", help="JSON output (worker: one run; driver: merged, its PNG beside it)")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a driver's JSON (next to it)")
     args = ap.parse_args(argv)
-    if args.driver:
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+    elif args.driver:
         driver(args)
     else:
         parse_system(args.system)
         args.malloc_label = args.malloc_label or (
             "mmap128k" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default")
         worker(args)
-
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ host-side profile of one step of each system (benchmarks/step_profile.py).
     python benchmarks/bench_gpu_e2e.py --preset gpt2 --micro 8 --seq 1024 \\
         --systems torch,fsdp2,stage0,stage1,stage2,stage3/deepspeed2,deepspeed3 \\
         --peak-flops 989e12 --out e2e.json
-    python benchmarks/e2e_summary.py e2e.json      # the table
+    python benchmarks/gpu_acceptance/e2e_summary.py e2e.json      # the table
 
 Measurement: every system is built once and warmed up (--warmup steps), then timed in
 --rounds rounds, each a block of --steps steps per system, in list order in even rounds and

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-from harness import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info, machine_name, result_path, write_json  # first: puts this checkout's zerompi on sys.path
 
 import torch  # noqa: E402
 
@@ -53,11 +52,6 @@ def best(fns: dict, repeat: int) -> dict:
             fn()
             out[k] = min(out[k], time.perf_counter() - t0)
     return out
-
-
-def machine_name(info: dict) -> str:
-    cpu = re.sub(r"\(.*?\)|cpu|processor|@.*", "", info["cpu_model"].lower())
-    return f"{info['cores']}c-" + "-".join(re.findall(r"[a-z0-9]+", cpu)[:3])
 
 
 def measure(n: int, threads: list[int], repeat: int) -> list[dict]:
@@ -133,10 +127,10 @@ def main(argv=None) -> int:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return 0
     info = machine_info()
-    name = machine_name(info)
+    out = Path(a.out) if a.out else result_path("offload_host")
+    name = machine_name()
     cores = len(os.sched_getaffinity(0))
     threads = [int(x) for x in a.threads.split(",")] if a.threads else list(range(1, cores + 1))
-    out = Path(a.out or Path(__file__).parent / "results" / f"offload_host_{name}_{time.strftime('%Y%m')}.json")
     lib = host_kernel.library()
     result = {"machine": info, "machine_name": name, "torch": torch.__version__, "elements": int(a.elements),
               "bytes_per_element": BYTES_PER_ELEMENT, "compiled": lib is not None, "why_not": host_kernel.reason(),
@@ -146,8 +140,7 @@ def main(argv=None) -> int:
     result["at_all_cores"] = at
     result["accept"] = {"pass_vs_copy>=0.7": at.get("pass_vs_copy", 0) >= 0.7,
                         "pass_faster_than_torch": at.get("pass_vs_torch", 0) > 1}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result)
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} (+ .png); accept: {result['accept']}")
     return 0 if all(result["accept"].values()) else 1

@@ -2,11 +2,11 @@
 """Calibrate the alpha-beta communication model (zerompi/comm/cost_model.py) on this
 machine, then check it on real stage-2 steps it was not fitted on (issue 17).
 
-    python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration.json \
-        --png benchmarks/results/comm_calibration.png
+    python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration_vm-epyc_202611.json
+    python benchmarks/calibrate_comm.py --replot benchmarks/results/comm_calibration_vm-epyc_202611.json
 
 The driver (this process, no MPI) runs, for each repeat (default 3) and each N (default 2
-and 4), two separate N-rank jobs (launch.py) of this file's workers, fit then check, so the
+and 4), two separate N-rank jobs (harness.launch) of this file's workers (--worker), fit then check, so the
 repeats interleave both in time:
 
   fit    zerompi's own MPICommunicator on fp32 buffers of 2^10 .. 2^24 elements:
@@ -49,7 +49,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import RANK_ENV, ForeignCpu, wait_quiet
+from harness import RANK_ENV, ForeignCpu, result_path, wait_quiet, write_json
 from calibrate_workers import worker
 from harness import launch
 from zerompi.comm import cost_model as cm
@@ -249,11 +249,9 @@ def driver(args) -> None:
            "checks": {str(n): c for n, c in merged_c.items()},
            "analysis": analyse(merged_f, merged_c), "per_repeat": per_repeat,
            "raw": {"fits": {str(n): v for n, v in fits.items()}, "checks": {str(n): v for n, v in checks.items()}}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     report(res)
-    if args.png:
-        plot(res, args.png)
+    plot(res, Path(args.out).with_suffix(".png"))
 
 
 def report(res: dict) -> None:
@@ -299,14 +297,13 @@ def main(argv=None) -> None:
                          "of the machine (1: do not wait)")
     ap.add_argument("--max-wait", type=float, default=600.0, help="longest such wait, s")
     ap.add_argument("--work-dir", default=None)
-    ap.add_argument("--out", default="benchmarks/results/comm_calibration.json")
-    ap.add_argument("--png", default="benchmarks/results/comm_calibration.png")
+    ap.add_argument("--out", default=str(result_path("comm_calibration")), help="JSON (its PNG beside it)")
     ap.add_argument("--replot", default=None, help="redraw the PNG (and the table) from a JSON")
     args = ap.parse_args(argv)
     if args.replot:
         res = json.loads(Path(args.replot).read_text())
         report(res)
-        plot(res, args.png)
+        plot(res, Path(args.replot).with_suffix(".png"))
     elif args.worker:
         worker(args)
     else:

@@ -2,11 +2,11 @@
 """Compare two zerompi checkouts (BEFORE and AFTER a change) for step time and peak RSS.
 
     python benchmarks/compare_commits.py --before /tmp/zerompi-before --after . \\
-        --out benchmarks/results/compare_commits.json --png benchmarks/results/compare_commits.png
+        --out benchmarks/results/compare_commits_vm-epyc_202611.json --png benchmarks/results/compare_commits_vm-epyc_202611.png
 
-Every run is one job (launch.py) of the data-parallel benchmark's own per-rank worker
+Every run is one job (harness.launch) of the data-parallel benchmark's own per-rank worker
 (`bench_dp.py`, system `zerompi-<stage>`, fp32), so a step is exactly the one
-benchmarks/results/dp_cpu*.json measure: a sleep-polling barrier, then forward + backward +
+benchmarks/results/dp_*vm-epyc_202611.json measure: a sleep-polling barrier, then forward + backward +
 optimizer step, timed as the maximum over ranks. The two sides differ only in which
 `zerompi` package the ranks import: the ranks run compare_sides.py, which puts the side's
 root first on sys.path, imports `zerompi` from there before anything else, and aborts the run if any rank got another copy (it prints
@@ -274,7 +274,7 @@ def main(argv=None) -> None:
                     help="smoke test: tiny model, N=2, stages 1-3, 1+2 steps, 2 repeats, "
                          "output to /tmp/compare_commits_quick.{json,png} unless given")
     ap.add_argument("--out", default=None,
-                    help="JSON (default benchmarks/results/compare_commits.json)")
+                    help="JSON (default benchmarks/results/compare_commits_vm-epyc_202611.json)")
     ap.add_argument("--png", default=None,
                     help="plot (default: the JSON path with .png; 'none' for no plot)")
     ap.add_argument("--replot", metavar="JSON", default=None,
@@ -296,7 +296,7 @@ def main(argv=None) -> None:
         if "--steps" not in given:
             args.steps = 2
         args.out = args.out or "/tmp/compare_commits_quick.json"
-    args.out = args.out or str(HERE / "results" / "compare_commits.json")
+    args.out = args.out or str(HERE / "results" / "compare_commits_vm-epyc_202611.json")
     if args.png is None:
         args.png = str(Path(args.out).with_suffix(".png"))
     elif args.png == "none":

@@ -178,6 +178,16 @@ def record(software: bool = True, directory: str | None = None) -> dict:
             "loadavg_start": os.getloadavg()}
 
 
+def machine_name() -> str:
+    """How results name this machine: $ZEROMPI_BENCH_MACHINE, else the host name."""
+    return os.environ.get("ZEROMPI_BENCH_MACHINE") or platform.node() or "host"
+
+
+def result_path(what: str) -> Path:
+    """results/<what>_<machine>_<yyyymm>.json"""
+    return RESULTS / f"{what}_{machine_name()}_{time.strftime('%Y%m')}.json"
+
+
 def write_json(path: str | Path, obj) -> None:
     """Write results as they come: after each run, atomically (a cut-off benchmark keeps
     what finished, never half a file)."""

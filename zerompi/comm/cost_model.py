@@ -78,7 +78,7 @@ class Link:
 #   reduce-scatter and all-gather on cache-cold fp32 buffers of 2^10 .. 2^24 elements at
 #   N = 2 (one rank per core), medians of 3 interleaved repeats. At N = 4 the 2 cores are
 #   oversubscribed and the fit is alpha = 11.4 us, beta = 0.362 ns/B (per-op links and the
-#   check against real stage-2 steps: benchmarks/results/comm_calibration.json,
+#   check against real stage-2 steps: benchmarks/results/comm_calibration_vm-epyc_202611.json,
 #   docs/scaling.md).
 PRESETS: dict[str, Link] = {
     "shm": Link("shm", alpha=1e-6, beta=1 / 10e9),

@@ -23,7 +23,7 @@ def fix_mmap_threshold() -> None:
     so after the first freed activation or gradient, blocks of that size come from the
     heap, where short-lived activations and gradients interleave and freed memory cannot
     go back to the OS. Pinned, they are mmapped and returned at once, but every fresh page
-    then costs a fault. Measured on "vm" (stage 3, benchmarks/results/compare_mmap_threshold.*,
+    then costs a fault. Measured on "vm" (stage 3, benchmarks/results/compare_mmap_threshold_vm-epyc_202611.*,
     before the gather pool, when gathered units went through malloc too): 135M GPT at
     N = 4, peak RSS in steps 1.67 -> 1.13 GiB per rank, step time 9.9 -> 11.4 s; geometric
     mean over 17M/135M at N = 2, 4: RSS x0.79, step time x1.24. With the pool the default

@@ -1,6 +1,6 @@
-"""A short table of bench_gpu_e2e.py results, for the end of gpu_acceptance.sh's log.
+"""A short table of bench_gpu_e2e.py results, for the end of the acceptance log (run.sh).
 
-    python benchmarks/e2e_summary.py e2e.json [e2e_1b.json ...]
+    python benchmarks/gpu_acceptance/e2e_summary.py e2e.json [e2e_1b.json ...]
 
 Per system: tokens/s, the ratio to plain torch (median over the rounds, [min-max]), the
 target it is held to (issue 40: stages 0-2 >= 0.95x at GPT-2 124M and >= 0.97x at the 1B
