@@ -61,7 +61,7 @@ class HeapTrimmer:
     up to 32 MiB there); freed, they stay resident until reused, so the heap's high-water
     mark, not the live bytes, sets peak RSS. Trimming as units finish keeps only what the
     next unit touches. Measured (135M GPT, stage 3, N = 4, fp32, ZeRO-R checkpoints, "vm",
-    benchmarks/investigations/results/stage3_rss_trim.json): peak RSS per rank 1056-1123 -> 1051-1063 MiB;
+    benchmarks/results/studies/stage3_rss_trim_vm-epyc_202611.json): peak RSS per rank 1056-1123 -> 1051-1063 MiB;
     cost per step ~0.1 s in malloc_trim plus ~90k page faults on reuse (~2-3% of a 10 s
     step). A GPU run's transients live in torch's caching allocator: no-op there."""
 
