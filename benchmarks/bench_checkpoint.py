@@ -121,7 +121,7 @@ def bench_zerompi(a, comm) -> dict:
 def _torch_same_tensors(engine, directory: str, what: str) -> float:
     """Seconds for torch.save (+ fsync) of the engine's own state tensors (master and
     moments, the views the checkpoint writes), or torch.load + copy back into them:
-    the like-for-like reference of issue 16, timed right beside zerompi's own save or
+    the like-for-like reference, timed right beside zerompi's own save or
     load so that both see the same machine load."""
     import torch
 

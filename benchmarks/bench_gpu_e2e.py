@@ -1,4 +1,4 @@
-"""One-GPU end to end (issues 12, 39, 40): the reference GPT trained by plain torch, torch
+"""One-GPU end to end: the reference GPT trained by plain torch, torch
 FSDP2, zerompi stages 0-3 and DeepSpeed ZeRO-2/3 (benchmarks/e2e_systems.py), all at world
 size 1 with the same model, micro-batch and data, in one process; tokens/s per system and
 as a ratio to plain torch measured in the same round, MFU, peak memory, and a device- and

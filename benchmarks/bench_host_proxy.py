@@ -1,4 +1,4 @@
-"""A CPU proxy for the host overhead of a GPU training step (issue 39): skeleton GPTs with
+"""A CPU proxy for the host overhead of a GPU training step: skeleton GPTs with
 the real presets' structure at tiny widths (host_proxy_skeleton.py: the engine lays them out
 into the same parameters, pieces, blocks and units as the real model), so compute is
 negligible and what is left is the host's work: per step, zerompi stages 0-3 against plain

@@ -1,4 +1,4 @@
-"""The offloaded optimizer's host pass against what the host's memory offers (issue 40).
+"""The offloaded optimizer's host pass against what the host's memory offers.
 
     python benchmarks/bench_offload_host.py [--elements 5e7] [--threads 1,2,...] [--repeat 5]
         [--out benchmarks/results/offload_host_<machine>_<yyyymm>.json]   (+ .png)
@@ -14,7 +14,7 @@ Per thread count T, on one shard of n elements (bf16 gradients in, bf16 paramete
               multiply), torch._fused_adamw_, and the cast into the output
 Bytes/s = 28 n / seconds for all three; the best of --repeat rounds after a warm-up, the
 three taking turns within a round (a shared machine's busy moments hit all alike). The
-pass's acceptance (issue 40): >= 70% of copy's bytes/s, and faster than torch, at the
+pass's acceptance: >= 70% of copy's bytes/s, and faster than torch, at the
 thread count the engine uses (offload.threads auto: the cores).
 """
 from __future__ import annotations

@@ -1,43 +1,20 @@
 #!/usr/bin/env python
 """Calibrate the alpha-beta communication model (zerompi/comm/cost_model.py) on this
-machine, then check it on real stage-2 steps it was not fitted on (issue 17).
+machine, then check it on real stage-2 steps it was not fitted on.
 
     python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration_vm-epyc_202611.json
     python benchmarks/calibrate_comm.py --replot benchmarks/results/comm_calibration_vm-epyc_202611.json
 
-The driver (this process, no MPI) runs, for each repeat (default 3) and each N (default 2
-and 4), two separate N-rank jobs (harness.launch) of this file's workers (--worker), fit then check, so the
-repeats interleave both in time:
-
-  fit    zerompi's own MPICommunicator on fp32 buffers of 2^10 .. 2^24 elements:
-         reduce_scatter 'ordered' (the engine default: alltoall + sum in rank order),
-         reduce_scatter 'native' (MPI_Reduce_scatter_block) and all_gather. Buffers behave
-         in cache as in a step: the reduce-scatter's bucket is freshly filled (two slots
-         alternate), every all-gather fills another block of a pool 4x the L3. Batches of
-         back-to-back calls; a sample is the comm_stats() seconds per call, mean over
-         ranks, median over 7 batches, then median over repeats. cost_model.fit gives one
-         link per op and N, and a joint one (ordered reduce-scatter + all-gather); the sum
-         of the ordered reduce-scatter is proportional to the bytes, so it is in its beta.
-  check  the 17M GPT (gpt-20m) at stage 2, fp32, for bucket sizes 2^16 .. 2^22:
-         engine: zerompi.initialize(model, {"stage": 2, "bucket_size": B}) and real steps;
-                 measured = comm_stats() seconds per step (time blocked in waits).
-         replay: the collectives of one step of that engine (a reduce_scatter per block of
-                 engine.layout.blocks in the engine's launch order, each from a freshly
-                 filled bucket slot, the scalar all-reduce, an all_gather per block),
-                 blocking, no compute, through engine.comm; measured = comm_stats()
-                 seconds per replay. Both: mean over ranks, median over steps/replays,
-                 then median over repeats.
-
-The driver predicts each check with cost_model.step_comm_time from the fit jobs only
-(each op with its own link at that N) and reports measured/predicted, pooled and per
-repeat. The issue's target is a prediction within 30% either way
-(max(pred/meas, meas/pred) <= 1.3) at N = 2 and 4. The replay is the communication-only
-measurement and carries the verdict; the in-step engine number is reported beside it (it
-also holds waits for slower peers, and overlap hides part of the rest). Before each job
-the driver waits until other processes use < 15% of the machine (--max-busy) and records
-how much they used meanwhile (`jobs[].foreign_cpu_fraction`): our ranks spin, so any
-other process on these 2 cores changes the timings. About 4 minutes on the 2-core "vm".
-`--replot JSON` redraws the PNG.
+Per repeat (3) and N (2, 4), two separate N-rank jobs of this file's --worker phases:
+  fit    zerompi's MPICommunicator on fp32 buffers of 2^10 .. 2^24 elements (reduce_scatter
+         'ordered' and 'native', all_gather), buffers as cold in cache as in a step;
+         cost_model.fit gives a link per op and N, and a joint one;
+  check  the 17M GPT at stage 2 for bucket sizes 2^16 .. 2^22: the engine's own steps, and a
+         replay of one step's collectives without compute (the verdict: prediction within
+         30% either way; the in-step number also holds waits for slower peers).
+Samples are comm_stats() seconds, mean over ranks, median over batches, then over repeats.
+Before each job the driver waits for a quiet machine (--max-busy) and records how much of
+it other processes used meanwhile (our ranks spin: any other process changes timings).
 """
 from __future__ import annotations
 

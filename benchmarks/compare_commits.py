@@ -1,27 +1,18 @@
 #!/usr/bin/env python
 """Compare two zerompi checkouts (BEFORE and AFTER a change) for step time and peak RSS.
 
-    python benchmarks/compare_commits.py --before /tmp/zerompi-before --after . \\
-        --out benchmarks/results/compare_commits_vm-epyc_202611.json --png benchmarks/results/compare_commits_vm-epyc_202611.png
+    python benchmarks/compare_commits.py --before /tmp/zerompi-before --after . \
+        --out benchmarks/results/compare_commits_vm-epyc_202611.json       (its PNG beside it)
 
-Every run is one job (harness.launch) of the data-parallel benchmark's own per-rank worker
-(`bench_dp.py`, system `zerompi-<stage>`, fp32), so a step is exactly the one
-benchmarks/results/dp_*vm-epyc_202611.json measure: a sleep-polling barrier, then forward + backward +
-optimizer step, timed as the maximum over ranks. The two sides differ only in which
-`zerompi` package the ranks import: the ranks run compare_sides.py, which puts the side's
-root first on sys.path, imports `zerompi` from there before anything else, and aborts the run if any rank got another copy (it prints
-`zerompi.__file__` once, and records every loaded zerompi module's file).
-
-The worker code is, by default, the one next to this script (`--worker shared`), for both
-sides; `--worker each` runs each side's own `benchmarks/bench_dp.py` instead.
-
-For each configuration (model x N x stage) the runs alternate sides, and the order flips
-every repeat and every configuration (ABBA, BAAB, ...), so slow drift of the machine's
-load cancels out. Results: per configuration, the median step time of each side over all
-its timed steps (pooled over repeats), the after/before ratio, the ratios of every
-before/after pair of repeats, CPU seconds per step, peak RSS per rank, and checks that
-both sides computed the same thing (losses, memory_report, communication volume).
-See benchmarks/README.md ("compare_commits.py").
+Every run is one job of bench_dp.py's per-rank worker (system zerompi-<stage>, fp32): the
+step bench_dp measures. The sides differ only in the zerompi the ranks import: they run
+compare_sides.py, which imports it from the side's root and aborts if any rank got another
+copy. The worker code is this checkout's (--worker shared) or each side's (--worker each).
+Per configuration (model x N x stage) the runs alternate sides and the order flips every
+repeat and configuration (ABBA, BAAB, ...), so a drift of the machine's load cancels out.
+Results: each side's median step time over its timed steps, the after/before ratio and the
+ratios of every pair of repeats, CPU seconds per step, peak RSS per rank, and checks that
+both sides computed the same losses, memory_report and communication volume.
 """
 from __future__ import annotations
 

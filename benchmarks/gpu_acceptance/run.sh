@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU acceptance (issues 24, 39, 40): the whole GPU path checked on one GPU, offline, within
+# GPU acceptance: the whole GPU path checked on one GPU, offline, within
 # a hard time budget, results written as the steps finish.
 #
 #   bash benchmarks/gpu_acceptance/run.sh OUTDIR [--dry-run] [--wheels DIR] [--budget S]
