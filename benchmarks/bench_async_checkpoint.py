@@ -1,16 +1,11 @@
 #!/usr/bin/env python
 """Asynchronous vs synchronous checkpoints while training: stall per save and step time.
 
-Worker mode (one job = one N x stage; it interleaves every kind of save):
+The driver runs N = 2, 4 x stages 1-3, one job of this file's --worker mode each (it
+interleaves every kind of save), and writes the merged JSON and its PNG:
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_async_checkpoint.py --stage 2 \
-        --dir /tmp/zerompi-asyncbench/ck --out r.json
-
-Driver mode (N = 2, 4 x stages 1-3, one mpiexec each; merged JSON, then its PNG):
-
-    python benchmarks/bench_async_checkpoint.py --driver --machine vm \
-        --out benchmarks/results/checkpoint_async_vm_202611.json
-    python benchmarks/bench_async_checkpoint.py --replot benchmarks/results/checkpoint_async_vm_202611.json
+    python benchmarks/bench_async_checkpoint.py --machine vm-epyc --out benchmarks/results/checkpoint_async_vm-epyc_202611.json
+    python benchmarks/bench_async_checkpoint.py --replot benchmarks/results/checkpoint_async_vm-epyc_202611.json
 
 The 135.0M-parameter GPT of bench_checkpoint.py (gpt2 shape, vocabulary 64000) in fp32
 with AdamW trains steps of one 128-token sequence per rank. Saves follow one another in
@@ -38,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench_checkpoint import build_model
-from harness import git_info, launch, machine_info, pyplot, save_figure, write_json
+from harness import git_info, launch, machine_info, pyplot, result_path, save_figure, write_json
 
 ORDER = ("sync", "thread", "process", "process", "thread", "sync")
 
@@ -195,7 +190,7 @@ def driver(a) -> None:
     for n in a.ranks:
         for stage in a.stages:
             out = work / f"n{n}-s{stage}.json"
-            argv = [__file__, "--stage", str(stage), "--dir", str(work / "ck"), "--out", str(out),
+            argv = [__file__, "--worker", "--stage", str(stage), "--dir", str(work / "ck"), "--out", str(out),
                     "--rounds", str(a.rounds), "--gap", str(a.gap), "--tokens", str(a.tokens), "--order", ",".join(a.order),
                     "--model", a.model, "--vocab", str(a.vocab)]
             before, t0 = os.getloadavg(), time.perf_counter()
@@ -266,7 +261,8 @@ def plot(report: dict, png) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--worker", action="store_true", help="one job's ranks (the driver starts them)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--machine", default="")
     ap.add_argument("--note", default="", help="said in the report (e.g. what else ran on the machine)")
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
@@ -289,7 +285,8 @@ def main(argv=None) -> None:
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
     else:
-        resummarize(a.out) if a.resummarize else driver(a) if a.driver else worker(a)
+        a.out = a.out or str(result_path("checkpoint_async"))
+        resummarize(a.out) if a.resummarize else worker(a) if a.worker else driver(a)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,11 @@
 #!/usr/bin/env python
 """Checkpoint save/load throughput: zerompi (HDF5 shards) vs torch.save vs DeepSpeed.
 
-Worker mode (one job = one system x model x N):
+The driver runs systems x N = 1, 2, 4, one job of this file's --worker mode each, and writes
+the merged JSON and its PNG:
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_checkpoint.py --system zerompi \
-        --model gpt2 --vocab 64000 --dir /tmp/ckbench --out r.json
-
-Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
-
-    python benchmarks/bench_checkpoint.py --driver --machine vm --out benchmarks/results/checkpoint_vm_202611.json
-    python benchmarks/bench_checkpoint.py --replot benchmarks/results/checkpoint_vm_202611.json
+    python benchmarks/bench_checkpoint.py --machine vm-epyc --out benchmarks/results/checkpoint_vm-epyc_202611.json
+    python benchmarks/bench_checkpoint.py --replot benchmarks/results/checkpoint_vm-epyc_202611.json
 
 Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
 training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
@@ -33,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import launch, machine_info, pyplot, save_figure, write_json
+from harness import launch, machine_info, pyplot, result_path, save_figure, write_json
 
 
 def drop_caches() -> bool:
@@ -229,7 +225,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     out = Path(a.workdir) / f"{system}-n{n}.json"
     ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
     shutil.rmtree(ckdir, ignore_errors=True)
-    argv = [Path(__file__).resolve(), "--system", system, "--model", a.model, "--vocab", a.vocab,
+    argv = [Path(__file__).resolve(), "--worker", "--system", system, "--model", a.model, "--vocab", a.vocab,
             "--dir", ckdir, "--out", out, "--repeats", a.repeats, "--port", 29500 + n]
     load0 = os.getloadavg()
     # torch's job is one process without mpiexec
@@ -328,7 +324,8 @@ def plot(report: dict, png: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--worker", action="store_true", help="one job's ranks (the driver starts them)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
     ap.add_argument("--model", default="gpt2", help="GPT preset (gpt2, gpt-200m, gpt-20m, small, tiny)")
     ap.add_argument("--vocab", type=int, default=64000,
@@ -347,7 +344,8 @@ def main(argv=None) -> None:
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return
-    if a.driver:
+    if not a.worker:
+        a.out = a.out or str(result_path("checkpoint"))
         driver(a)
         return
     if a.system == "torch":

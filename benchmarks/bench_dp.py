@@ -2,15 +2,13 @@
 """Data-parallel CPU benchmark: zerompi stages 0-3 vs torch DDP, ZeroRedundancyOptimizer,
 FSDP2 and DeepSpeed ZeRO.
 
-Worker mode (one MPI job = one system x model x N, so peak RSS belongs to that system):
+The driver loops systems x models x N x malloc settings, one mpiexec job of this file's
+--worker mode each (so peak RSS belongs to one system), merges the per-run JSON into one
+file and draws the PNG next to it; --replot redraws it:
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --system zerompi-3 --model gpt-20m --out r.json
-
-Driver mode (loops systems x models x N x malloc settings, one mpiexec each, merges the
-per-run JSON into one file and draws the PNG next to it; --replot redraws it):
-
-    python benchmarks/bench_dp.py --driver --out benchmarks/results/dp_vm_202611.json
-    python benchmarks/bench_dp.py --replot benchmarks/results/dp_vm_202611.json
+    python benchmarks/bench_dp.py --out benchmarks/results/dp_vm-epyc_202611.json
+    python benchmarks/bench_dp.py --replot benchmarks/results/dp_vm-epyc_202611.json
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --worker --system zerompi-3 --out r.json
 
 Systems: zerompi-0/1/2/3 (fp32; a "-bf16" suffix runs bf16; zerompi-3 builds the model
 under zerompi.Init), ddp (DistributedDataParallel), torch-zero (ZeroRedundancyOptimizer(AdamW)
@@ -42,6 +40,7 @@ from harness import (
     peak_rss_process,
     quiet_barrier,
     reset_hwm,
+    result_path,
     vm_hwm,
 )
 from dp_systems import (
@@ -178,7 +177,8 @@ def worker(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--driver", action="store_true", help="loop over runs (no MPI in this process)")
+    ap.add_argument("--worker", action="store_true", help="one run on the MPI ranks (the driver starts it)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--system", default="zerompi-2", help=f"worker: one of {SYSTEMS + OPTIONAL_SYSTEMS}")
     ap.add_argument("--model", default="gpt-20m", help="worker: a zerompi.models.gpt preset")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS))
@@ -219,7 +219,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
-    elif args.driver:
+    elif not args.worker:
+        args.out = args.out or str(result_path("dp"))
         driver(args)
     else:
         parse_system(args.system)

@@ -70,6 +70,8 @@ def run_one(args, side: str, root: str, worker_dir: Path, cfg: dict, rep: int,
                    "--out", str(rfile)]
     if args.bucket_size:
         worker_args += ["--bucket-size", str(args.bucket_size)]
+    if '"--worker"' in (Path(worker_dir) / "bench_dp.py").read_text():  # older ones run the worker by default
+        worker_args.insert(0, "--worker")
     argv = [HERE / "compare_sides.py", "--worker-root", root, "--worker-dir", worker_dir, "--",
             *worker_args]
     wait_quiet(args.wait_quiet, args.wait_quiet_max)  # the machine is shared: other work skews timings

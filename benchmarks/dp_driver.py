@@ -156,7 +156,7 @@ def driver(args) -> None:
             continue
         wait_quiet(args.wait_quiet, args.wait_quiet_max)  # the machine is shared: other work skews timings
         rfile = work / f"{tag}.json"
-        argv = [script, "--system", s, "--model", m, "--micro-batch", bsz, "--seq-len", seq,
+        argv = [script, "--worker", "--system", s, "--model", m, "--micro-batch", bsz, "--seq-len", seq,
                 "--warmup", args.warmup, "--steps", steps, "--threads", args.threads,
                 "--lr", args.lr, "--weight-decay", args.weight_decay,
                 "--torch-adamw", args.torch_adamw, "--ddp-bucket-mb", args.ddp_bucket_mb,

@@ -42,7 +42,7 @@ def replotted(script: str, out) -> None:
 
 def test_dp(tmp_path):
     out = tmp_path / "dp.json"
-    bench("bench_dp.py", "--driver", "--systems", "zerompi-1", "--models", "tiny", "--nranks", "1", "--warmup", "1",
+    bench("bench_dp.py", "--systems", "zerompi-1", "--models", "tiny", "--nranks", "1", "--warmup", "1",
           "--steps", "1", "--out", out)
     doc = json.loads(out.read_text())
     assert [r["system"] for r in doc["runs"]] == ["zerompi-1"] and not doc["failed"], doc
@@ -61,7 +61,7 @@ def test_compare_commits(tmp_path):
 
 def test_checkpoint(tmp_path):
     out = tmp_path / "ck.json"
-    bench("bench_checkpoint.py", "--driver", "--model", "tiny", "--vocab", "0", "--ranks", "1", "--repeats", "1",
+    bench("bench_checkpoint.py", "--model", "tiny", "--vocab", "0", "--ranks", "1", "--repeats", "1",
           "--workdir", tmp_path / "work", "--out", out)
     doc = json.loads(out.read_text())
     got = {r["system"]: r for r in doc["results"]}
@@ -71,7 +71,7 @@ def test_checkpoint(tmp_path):
 
 def test_async_checkpoint(tmp_path):
     out = tmp_path / "ack.json"
-    bench("bench_async_checkpoint.py", "--driver", "--model", "tiny", "--vocab", "0", "--ranks", "1",
+    bench("bench_async_checkpoint.py", "--model", "tiny", "--vocab", "0", "--ranks", "1",
           "--stages", "2", "--gap", "1", "--tokens", "32", "--order", "sync,thread,process", "--workdir", tmp_path / "work",
           "--out", out)
     s = json.loads(out.read_text())["summary"][0]
