@@ -110,9 +110,11 @@ def local_env(root: str | Path | None = None, extra: dict | None = None, cmd: li
     return env
 
 
-def start(cmd: list[str], env: dict | None = None, stderr_apart: bool = False, **popen) -> subprocess.Popen:
-    """Start CMD in a session of its own, ended by SIGTERM if the caller dies; text pipes."""
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
+def start(cmd: list[str], env: dict | None = None, stderr_apart: bool = False, stdout=subprocess.PIPE,
+          **popen) -> subprocess.Popen:
+    """Start CMD in a session of its own, ended by SIGTERM if the caller dies; text output
+    to a pipe (or `stdout`, a file), stderr merged into it unless kept apart."""
+    return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
                             text=True, errors="replace", env=env, start_new_session=True,
                             preexec_fn=_term_with_parent, **popen)
 
