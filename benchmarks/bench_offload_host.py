@@ -94,9 +94,9 @@ def measure(n: int, threads: list[int], repeat: int) -> list[dict]:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from harness import pyplot
+
+    plt = pyplot()
 
     rows = result["rows"]
     t = [r["threads"] for r in rows]

@@ -119,9 +119,9 @@ def analyse(fits: dict, checks: dict) -> dict:
 
 
 def plot(res: dict, png: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from harness import pyplot
+
+    plt = pyplot()
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = {"reduce_scatter/ordered": "C0", "reduce_scatter/native": "C2", "all_gather": "C1"}
@@ -235,8 +235,8 @@ def report(res: dict) -> None:
     an = res["analysis"]
     for n, ops in an["per_op_links"].items():
         for op, l in list(ops.items()) + [("joint (rs+ag)", an["links"][n])]:
-            print(f"fit N={n} {op:24s}: alpha = {l['alpha'] * 1e6:7.2f} us, beta = {l['beta'] * 1e9:.4f} ns/B "
-                  f"({1e-9 / l['beta']:.2f} GB/s)")
+            gbs = f"{1e-9 / l['beta']:.2f} GB/s" if l["beta"] > 0 else "no bandwidth term fitted"
+            print(f"fit N={n} {op:24s}: alpha = {l['alpha'] * 1e6:7.2f} us, beta = {l['beta'] * 1e9:.4f} ns/B ({gbs})")
     print(f"{'N':>2} {'bucket':>6} {'blocks':>6} {'pred ms':>8} {'lat%':>5} {'replay ms':>9} {'ratio':>6} "
           f"{'ok':>3} {'engine ms':>9} {'ratio':>6} {'ok':>3}")
     for r in an["table"]:

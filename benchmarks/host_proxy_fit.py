@@ -219,10 +219,9 @@ def report(fit: dict) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from harness import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(result["models"])
     cols = ("CPU ms/step here (median; tick: min) | predicted GPU host ms/step", "aten ops/step (non-view | view)",
