@@ -125,3 +125,35 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
 
     small, big = peak(2), peak(24)
     assert big - small < 6 * 2**20, (small, big)
+
+
+def test_datasets_folder(tmp_path):
+    """A Hugging Face save_to_disk folder: read when `datasets` imports, else one line."""
+    try:
+        import datasets
+    except ImportError:
+        (tmp_path / "ds").mkdir()
+        (tmp_path / "ds" / "state.json").write_text("{}")
+        with pytest.raises(PrepareError, match="the datasets package is not installed"):
+            prep.prepare([str(tmp_path / "ds")], str(tmp_path / "o"), progress=False)
+        return
+    docs = documents(40, seed=2)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))
+    r = prep.prepare([str(tmp_path / "ds")], str(tmp_path / "o"), progress=False)
+    assert r["manifest"]["docs"]["train"] == 40 and r["manifest"]["tokens"]["train"] == sum(map(len, docs))
+
+
+def test_the_trainer_reads_a_prepare_folder_and_refuses_an_unfinished_one(tmp_path):
+    from zerompi.data.check import DataError
+    from zerompi.data.sources import check_data, resolve
+
+    (tmp_path / "a.txt").write_text("some words\n\nmore words here\n" * 50)
+    prep.prepare([str(tmp_path / "a.txt")], str(tmp_path / "o"), text_docs="paragraph", val_fraction=0.3, seed=1,
+                 progress=False)
+    train, val = resolve(str(tmp_path / "o"))
+    assert [pathlib.Path(f).parent.name for f in train + val] == ["train", "val"]
+    d = check_data(str(tmp_path / "o"), "", None, 256, 8, 0.05, True, True)
+    assert d.train.doc_starts is not None and len(d.val.tokens) > 0
+    (tmp_path / "o" / "prepare.json").unlink()
+    with pytest.raises(DataError, match="a prepare output without its prepare.json"):
+        resolve(str(tmp_path / "o"))

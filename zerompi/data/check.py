@@ -70,12 +70,11 @@ def _looks_like_text(head: bytes) -> bool:
 
 
 def _text_error(spec: str) -> DataError:
-    out = pathlib.Path(spec).stem + ".tokens.bin"
+    out = pathlib.Path(spec).stem + "-tokens"
     return DataError(
-        f"data {spec}: this is a text file, not tokens. Tokenize it first; for bytes as tokens "
-        "(vocab 256): python -c \"import numpy as np, zerompi.data as d; "
-        f"d.write_tokens('{out}', np.frombuffer(open('{spec}', 'rb').read(), np.uint8), vocab_size=256)\" "
-        f"and train with --data {out} (docs/quickstart.md: your own data)")
+        f"data {spec}: this is a text file, not tokens. Tokenize it first (bytes as tokens, vocab 256; "
+        f"--tokenizer for another): python -m zerompi.prepare {spec} --out {out} and train with --data {out} "
+        "(docs/data.md)")
 
 
 @dataclass

@@ -8,6 +8,7 @@ shards become the validation set unless `data_val` names another."""
 from __future__ import annotations
 
 import glob
+import json
 import pathlib
 from dataclasses import dataclass
 
@@ -65,10 +66,15 @@ def resolve(spec: str, val_spec: str = "") -> tuple[list[str], list[str] | None]
     """(train files, validation files or None: split from the train tokens)."""
     items = [s.strip() for s in spec.split(",") if s.strip()]
     val_items = [s.strip() for s in val_spec.split(",") if s.strip()]
-    if len(items) == 1 and (pathlib.Path(items[0]) / MANIFEST).is_file():
+    if len(items) == 1 and (pathlib.Path(items[0]) / "train").is_dir():
         out = pathlib.Path(items[0])
+        try:
+            manifest = json.loads((out / MANIFEST).read_text())
+        except (OSError, ValueError):
+            raise DataError(f"data {spec}: a prepare output without its {MANIFEST} (unfinished?): rerun the "
+                            "same python -m zerompi.prepare command, it resumes") from None
         items = [str(out / "train")]
-        if not val_items and any((out / "val").glob("*.h5")):
+        if not val_items and manifest.get("tokens", {}).get("val"):
             val_items = [str(out / "val")]
     train = [f for it in items for f in _files(it)]
     val = [f for it in val_items for f in _files(it)] if val_items else None
