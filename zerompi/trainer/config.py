@@ -222,7 +222,18 @@ class TrainConfig:
 def load(source: "str | os.PathLike | dict | None" = None,
          overrides: "dict[str, Any] | Sequence[str] | None" = None) -> TrainConfig:
     """TrainConfig from a TOML/JSON file or dict plus dotted overrides."""
-    return config.load(source, overrides, cls=TrainConfig)
+    from ..config.errors import ConfigError
+
+    try:
+        return config.load(source, overrides, cls=TrainConfig)
+    except ConfigError as e:
+        if e.key == "data" and isinstance(e.value, dict) and e.value:
+            k, v = next(iter(e.value.items()))  # `data.dtype` / a [data] table: name the key as typed
+            flat = {"dtype": "data_dtype", "val": "data_val", "order": "data_order", "doc_mask": "doc_mask"}
+            raise ConfigError(f"data.{k}", v, "data is one string (the token source); the other data keys "
+                              f"are flat: {flat.get(k, 'data_val, data_dtype, data_order, doc_mask')} "
+                              "(docs/data.md)") from None
+        raise
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:

@@ -201,7 +201,10 @@ def run(cfg, nodes) -> int:
              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
              + f", ZeRO stage {cfg.zero.stage} "
              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
+             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
+             + (f"; epoch order: {train_data.num_windows():,} windows, {train_data.num_windows() / B:.1f} steps "
+                "per epoch" if cfg.data_order == "epoch" else "")
+             + ("; no attention across documents (doc_mask)" if cfg.doc_mask else ""))
         info(f"run_dir {run_dir}; "
              + (f"resumed at step {start_step}" if start_step else "starting at step 0")
              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
@@ -277,6 +280,9 @@ def _loop(run: Run) -> int:
                   "tokens": done * B * T, "tokens_per_s": B * T / dt,
                   "step_time": dt, "mfu": run.flops_per_token * B * T / dt / (run.peak * dims.world.size),
                   "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
+                  # epochs completed (fraction) of the epoch order's walk
+                  **({"epoch": train_data.position(done, B) / train_data.num_windows()}
+                     if cfg.data_order == "epoch" else {}),
                   "time": time.perf_counter() - t_start}
         # the offloaded optimizer's phases (docs/offload.md), flat: offload_host_pass, ...
         record.update({f"offload_{k}": v for k, v in engine.offload_phases.items()})
