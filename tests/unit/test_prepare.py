@@ -38,7 +38,8 @@ def _run(inputs, out, **kw):
 def test_shards_hold_every_document_once_and_match_across_workers(inputs, tmp_path):
     from tokenizers import Tokenizer
 
-    one, two = _run(inputs, tmp_path / "w1", workers=1), _run(inputs, tmp_path / "w2", workers=2)
+    one = _run(inputs, tmp_path / "w1", workers=1)
+    _run(inputs, tmp_path / "w2", workers=2)
     assert one["units"] > 4  # several shards from each file, so the workers really share them
     assert _files(tmp_path / "w1") == _files(tmp_path / "w2")  # prepare.json included
     m = one["manifest"]
@@ -157,3 +158,25 @@ def test_the_trainer_reads_a_prepare_folder_and_refuses_an_unfinished_one(tmp_pa
     (tmp_path / "o" / "prepare.json").unlink()
     with pytest.raises(DataError, match="a prepare output without its prepare.json"):
         resolve(str(tmp_path / "o"))
+
+
+def test_a_tokenizer_folder_without_tokenizer_json_goes_through_transformers(inputs, tmp_path):
+    """vocab.json + merges.txt + tokenizer_config.json (no tokenizer.json): AutoTokenizer,
+    local files only; the same ids as the same BPE read from its tokenizer.json."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    Tokenizer.from_file(inputs["tok"]).model.save(str(folder))  # vocab.json, merges.txt
+    eot = "<|endoftext|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "eos_token": eot, "bos_token": eot,
+        "unk_token": eot}))
+    kw = dict(workers=1, unit_mb=1, progress=False)
+    prep.prepare([inputs["jsonl"]], str(tmp_path / "a"), str(folder), **kw)
+    prep.prepare([inputs["jsonl"]], str(tmp_path / "b"), inputs["tok"], **kw)
+    with h5py.File(tmp_path / "a" / "train" / "00000.h5") as a, h5py.File(tmp_path / "b" / "train" / "00000.h5") as b:
+        assert a.attrs["tokenizer"] == "tok" and a.attrs["vocab_size"] == 300 and a.attrs["eos_id"] == 0
+        assert np.array_equal(a["tokens"][:], b["tokens"][:]) and np.array_equal(a["doc_offsets"][:], b["doc_offsets"][:])

@@ -94,8 +94,9 @@ def open_checked(spec: str, dtype: str | None = None):
     return src.tokens, src.what, src.vocab
 
 
-def open_source(spec: str, dtype: str | None = None) -> Source:
-    """`spec` (file, file.h5 or file.h5:/dataset) opened as a Source. Raises DataError."""
+def open_source(spec: str, dtype: str | None = None, docs: bool = True) -> Source:
+    """`spec` (file, file.h5 or file.h5:/dataset) opened as a Source; its document starts
+    only with `docs` (they take 8 bytes a document on every rank). Raises DataError."""
     s = os.fspath(spec)
     head_s, sep, tail = s.rpartition(":")
     h5_name = None
@@ -112,7 +113,7 @@ def open_source(spec: str, dtype: str | None = None) -> Source:
     head = _head(path)
     try:
         if head.startswith(_HDF5_MAGIC):
-            return _h5_source(spec, path, h5_name)
+            return _h5_source(spec, path, h5_name, docs)
         if path.suffix.lower() in (".h5", ".hdf5", ".hdf"):
             raise DataError(f"data {spec}: named like HDF5 but is not an HDF5 file")
         if head.startswith(_NPY_MAGIC):
@@ -135,7 +136,7 @@ def open_source(spec: str, dtype: str | None = None) -> Source:
             t = np.memmap(path, dtype=dt, mode="r", offset=_LLMC_HEADER, shape=(n,))
             return Source(t, f"llm.c token file ({np.dtype(dt).name}, {n:,} tokens)")
         if path.with_suffix(".idx").exists() and path.suffix == ".bin":
-            return _megatron(spec, path, path.with_suffix(".idx"), size)
+            return _megatron(spec, path, path.with_suffix(".idx"), size, docs)
         meta_path = path.with_suffix(".json")
         if meta_path.exists() and meta_path != path:
             return _zerompi_bin(spec, path, meta_path, size)
@@ -168,24 +169,25 @@ def _refuse_uint32_pattern(spec: str, tokens, why: str) -> None:
                         "pattern of uint32 tokens: if the file holds uint32, say data_dtype = uint32")
 
 
-def _h5_source(spec: str, path: pathlib.Path, name: str | None) -> Source:
+def _h5_source(spec: str, path: pathlib.Path, name: str | None, docs: bool) -> Source:
     import h5py
 
     with h5py.File(path, "r") as f:  # prepare's shards: "tokens" + "doc_offsets" (docs/data.md)
         ours = name is None and isinstance(f.get("tokens"), h5py.Dataset) and "doc_offsets" in f
         attrs = dict(f.attrs) if ours else {}
-        offsets = np.asarray(f["doc_offsets"][:], np.int64) if ours else None
+        n_docs = f["doc_offsets"].shape[0] - 1 if ours else 0
+        offsets = np.asarray(f["doc_offsets"][:], np.int64) if ours and docs else None
     t = H5Tokens(path, "tokens" if ours else name)
     vocab = int(attrs["vocab_size"]) if "vocab_size" in attrs else None
-    what = (f"zerompi shard ({t.dtype}, {len(t):,} tokens, {len(offsets) - 1:,} documents, "
+    what = (f"zerompi shard ({t.dtype}, {len(t):,} tokens, {n_docs:,} documents, "
             f"tokenizer {attrs.get('tokenizer', '?')})" if ours else f"HDF5 dataset {t.dset.name} ({t.dtype}, "
             f"{len(t):,} tokens)")
-    if ours and (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(t) or (np.diff(offsets) < 0).any()):
+    if offsets is not None and (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(t) or (np.diff(offsets) < 0).any()):
         raise DataError(f"data {spec}: doc_offsets do not run from 0 to the {len(t):,} tokens: a damaged shard")
-    return Source(t, what, vocab, offsets[:-1] if ours else None)
+    return Source(t, what, vocab, offsets[:-1] if offsets is not None else None)
 
 
-def _megatron(spec: str, path: pathlib.Path, idx: pathlib.Path, size: int) -> Source:
+def _megatron(spec: str, path: pathlib.Path, idx: pathlib.Path, size: int, docs: bool) -> Source:
     with open(idx, "rb") as f:
         head = f.read(34)
         if len(head) < 34 or not head.startswith(_MEGATRON_MAGIC):
@@ -200,15 +202,15 @@ def _megatron(spec: str, path: pathlib.Path, idx: pathlib.Path, size: int) -> So
     body = np.memmap(idx, mode="r", offset=34)
     sizes = np.frombuffer(body, np.int32, n_seq)
     pointers = np.frombuffer(body, np.int64, n_seq, offset=4 * n_seq)
-    docs = np.frombuffer(body, np.int64, n_doc, offset=12 * n_seq)
+    doc_idx = np.frombuffer(body, np.int64, n_doc, offset=12 * n_seq)
     n = int(sizes.sum(dtype=np.int64))
     if size != n * dt.itemsize:
         raise DataError(f"data {spec}: {idx.name} says {n:,} {dt} tokens ({n * dt.itemsize:,} bytes) "
                         f"but the file has {size:,} bytes")
     t = np.memmap(path, dtype=dt, mode="r")
-    starts = pointers[docs[docs < n_seq]] // dt.itemsize  # docs ends with n_seq (one past)
-    return Source(t, f"Megatron indexed data ({dt}, {n:,} tokens, {len(starts):,} documents)",
-                  None, np.asarray(starts, np.int64))
+    # doc_idx ends with n_seq (one past the last sequence)
+    starts = np.asarray(pointers[doc_idx[doc_idx < n_seq]] // dt.itemsize, np.int64) if docs else None
+    return Source(t, f"Megatron indexed data ({dt}, {n:,} tokens, {max(0, n_doc - 1):,} documents)", None, starts)
 
 
 def _zerompi_bin(spec: str, path: pathlib.Path, meta_path: pathlib.Path, size: int) -> Source:

@@ -81,9 +81,9 @@ def resolve(spec: str, val_spec: str = "") -> tuple[list[str], list[str] | None]
     return train, val
 
 
-def open_many(files: list[str], dtype: str | None) -> Source:
-    """The files as one Source (documents: only when every file knows its own)."""
-    srcs = [open_source(f, dtype) for f in files]
+def open_many(files: list[str], dtype: str | None, docs: bool = True) -> Source:
+    """The files as one Source (documents, if `docs`: only when every file knows its own)."""
+    srcs = [open_source(f, dtype, docs) for f in files]
     srcs = [s for s in srcs if len(s.tokens)] or srcs[:1]  # prepare writes empty val shards
     if len(srcs) == 1:
         return srcs[0]
@@ -133,13 +133,13 @@ def check_data(spec: str, val_spec: str, dtype: str | None, vocab_size: int, blo
                val_fraction: float, need_val: bool, need_docs: bool) -> Data:
     """Open and check the training data (and validation data) a config names. Raises DataError."""
     train_files, val_files = resolve(spec, val_spec)
-    src = open_many(train_files, dtype)
+    src = open_many(train_files, dtype, need_docs)
     what = _check_ids(spec, src, vocab_size)
     if val_files is None:
         train, val = _cut(src, val_fraction)
         where = f"validation: the last {val_fraction:g} of the tokens (val_fraction)"
     else:
-        train, val = src, open_many(val_files, dtype)
+        train, val = src, open_many(val_files, dtype, need_docs)
         _check_ids(val_spec or ",".join(val_files), val, vocab_size)
         where = f"validation: {len(val_files)} file(s), {len(val.tokens):,} tokens"
     if need_docs and (train.doc_starts is None or (need_val and val.doc_starts is None)):
