@@ -144,7 +144,7 @@ def test_datasets_folder(tmp_path):
     assert r["manifest"]["docs"]["train"] == 40 and r["manifest"]["tokens"]["train"] == sum(map(len, docs))
 
 
-def test_the_trainer_reads_a_prepare_folder_and_refuses_an_unfinished_one(tmp_path):
+def test_the_trainer_reads_a_prepare_folder_and_refuses_an_unfinished_one_or_mixed_tokenizers(inputs, tmp_path):
     from zerompi.data.check import DataError
     from zerompi.data.sources import check_data, resolve
 
@@ -155,6 +155,11 @@ def test_the_trainer_reads_a_prepare_folder_and_refuses_an_unfinished_one(tmp_pa
     assert [pathlib.Path(f).parent.name for f in train + val] == ["train", "val"]
     d = check_data(str(tmp_path / "o"), "", None, 256, 8, 0.05, True, True)
     assert d.train.doc_starts is not None and len(d.val.tokens) > 0
+    prep.prepare([str(tmp_path / "a.txt")], str(tmp_path / "x"), inputs["tok"], progress=False)
+    with pytest.raises(DataError, match="tokenized with another tokenizer"):
+        check_data(f"{tmp_path}/o/train,{tmp_path}/x/train", "", None, 300, 8, 0.05, False, False)
+    with pytest.raises(DataError, match="tokenized with another tokenizer"):
+        check_data(str(tmp_path / "o"), str(tmp_path / "x" / "train"), None, 300, 8, 0.05, False, False)
     (tmp_path / "o" / "prepare.json").unlink()
     with pytest.raises(DataError, match="a prepare output without its prepare.json"):
         resolve(str(tmp_path / "o"))

@@ -85,6 +85,7 @@ class Source:
     what: str
     vocab: int | None = None
     doc_starts: np.ndarray | None = None
+    tokenizer: str | None = None  # the tokenizer's sha256, where the file records it (prepare's shards)
 
 
 def open_checked(spec: str, dtype: str | None = None):
@@ -184,7 +185,8 @@ def _h5_source(spec: str, path: pathlib.Path, name: str | None, docs: bool) -> S
             f"{len(t):,} tokens)")
     if offsets is not None and (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(t) or (np.diff(offsets) < 0).any()):
         raise DataError(f"data {spec}: doc_offsets do not run from 0 to the {len(t):,} tokens: a damaged shard")
-    return Source(t, what, vocab, offsets[:-1] if offsets is not None else None)
+    return Source(t, what, vocab, offsets[:-1] if offsets is not None else None,
+                  str(attrs["tokenizer_sha256"]) if "tokenizer_sha256" in attrs else None)
 
 
 def _megatron(spec: str, path: pathlib.Path, idx: pathlib.Path, size: int, docs: bool) -> Source:

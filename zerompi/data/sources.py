@@ -84,6 +84,7 @@ def resolve(spec: str, val_spec: str = "") -> tuple[list[str], list[str] | None]
 def open_many(files: list[str], dtype: str | None, docs: bool = True) -> Source:
     """The files as one Source (documents, if `docs`: only when every file knows its own)."""
     srcs = [open_source(f, dtype, docs) for f in files]
+    _same_tokenizer(list(zip(files, srcs)))
     srcs = [s for s in srcs if len(s.tokens)] or srcs[:1]  # prepare writes empty val shards
     if len(srcs) == 1:
         return srcs[0]
@@ -95,7 +96,17 @@ def open_many(files: list[str], dtype: str | None, docs: bool = True) -> Source:
     kinds = sorted({s.what.split(" (")[0] for s in srcs})
     t = Concat([s.tokens for s in srcs])
     return Source(t, f"{len(srcs)} files ({', '.join(kinds)}; {len(t):,} tokens)", max(vocabs) if vocabs else None,
-                  docs)
+                  docs, srcs[0].tokenizer)
+
+
+def _same_tokenizer(named: list[tuple[str, Source]]) -> None:
+    """Files that record their tokenizer must record the same one: ids of two vocabularies
+    read as one stream are valid ids and garbage."""
+    known = [(f, s.tokenizer) for f, s in named if s.tokenizer]
+    for f, h in known[1:]:
+        if h != known[0][1]:
+            raise DataError(f"data {f}: tokenized with another tokenizer (sha256 {h[:12]}) than {known[0][0]} "
+                            f"({known[0][1][:12]}); train on shards of one tokenizer")
 
 
 @dataclass
@@ -140,6 +151,7 @@ def check_data(spec: str, val_spec: str, dtype: str | None, vocab_size: int, blo
         where = f"validation: the last {val_fraction:g} of the tokens (val_fraction)"
     else:
         train, val = src, open_many(val_files, dtype, need_docs)
+        _same_tokenizer([(spec, train), (val_spec or val_files[0], val)])
         _check_ids(val_spec or ",".join(val_files), val, vocab_size)
         where = f"validation: {len(val_files)} file(s), {len(val.tokens):,} tokens"
     if need_docs and (train.doc_starts is None or (need_val and val.doc_starts is None)):
