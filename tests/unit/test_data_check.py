@@ -20,12 +20,15 @@ def test_formats_are_detected_and_read(tmp_path):
     header = np.zeros(256, np.int32)
     header[:3] = [20240520, 1, len(ids)]
     (tmp_path / "llmc.bin").write_bytes(header.tobytes() + ids.astype(np.uint16).tobytes())
+    header[:3] = [20240801, 7, len(ids)]  # llm.c's Llama 3 shards: uint32 ids
+    (tmp_path / "llmc3.bin").write_bytes(header.tobytes() + ids.astype(np.uint32).tobytes())
     import h5py
 
     with h5py.File(tmp_path / "t.h5", "w") as f:
         f["tokens"] = ids.astype(np.int64)
     for name, kind in [("z.bin", "zerompi token file"), ("a.npy", ".npy"), ("raw.bin", "headerless"),
-                       ("llmc.bin", "llm.c"), ("t.h5", "HDF5"), ("t.h5:/tokens", "HDF5")]:
+                       ("llmc.bin", "llm.c token file (uint16"), ("llmc3.bin", "llm.c token file (uint32"),
+                       ("t.h5", "HDF5"), ("t.h5:/tokens", "HDF5")]:
         tokens, what, _ = dc.open_checked(str(tmp_path / name), "uint16" if name == "raw.bin" else None)
         assert kind in what, (name, what)
         assert np.array_equal(np.asarray(tokens[0:1000]), ids), name
