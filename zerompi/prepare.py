@@ -6,6 +6,9 @@ DIR/val/*.h5 and DIR/prepare.json. Parallel over --workers processes, resumable 
 the same command after a kill: finished shards are skipped), deterministic (the same
 input and settings give the same bytes with any number of workers). docs/data.md.
 
+Under mpiexec or srun (several MPI ranks) the ranks share the units, each with its own
+--workers processes; the shards are the same bytes as from one process.
+
 Exit codes: 0 done; 2 bad input or settings (one line on stderr)."""
 from __future__ import annotations
 
@@ -44,6 +47,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _launched_rank() -> int:
+    """This process's rank as the MPI launcher says (0 outside one), without starting MPI."""
+    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(k, "").isdigit():
+            return int(os.environ[k])
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from .data.readers import PrepareError
@@ -54,14 +65,18 @@ def main(argv=None) -> int:
                     val_fraction=args.val_fraction, seed=args.seed, workers=args.workers, unit_mb=args.unit_mb,
                     eos=args.eos, progress={"auto": None, "bar": True, "none": False}[args.progress])
     except PrepareError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        if _launched_rank() == 0:  # every rank has the same error: one line
+            print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if r["rank"]:
+        return 0
     m = r["manifest"]
     rate = r["new_tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0
+    who = f" by {r['ranks']} ranks x {args.workers} workers" if r["ranks"] > 1 else ""
     print(f"{PROG}: {m['tokens']['train']:,} train / {m['tokens']['val']:,} val tokens, "
           f"{m['docs']['train'] + m['docs']['val']:,} documents in {r['units']} shard pairs "
           f"({r['done_before']} done before) -> {args.out} (tokenizer {m['tokenizer']}, vocab {m['vocab_size']}, "
-          f"{m['dtype']}); {r['new_tokens']:,} tokens in {r['seconds']:.1f} s = {rate:,.0f} tokens/s; "
+          f"{m['dtype']}); {r['new_tokens']:,} tokens{who} in {r['seconds']:.1f} s = {rate:,.0f} tokens/s; "
           f"train with --data {args.out}")
     return 0
 

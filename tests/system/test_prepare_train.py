@@ -70,3 +70,24 @@ def test_headerless_uint32_file_is_refused_in_one_line(tmp_path):
     assert res.returncode == 2 and res.stdout.count("a headerless token file") == 1, res.stdout
     assert "Traceback" not in res.stdout and "data_dtype = uint8 | uint16 | uint32" in res.stdout, res.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_prepare_on_two_mpi_ranks_writes_the_same_bytes(tmp_path):
+    """mpiexec -n 2 python -m zerompi.prepare: the ranks share the units (2 workers each);
+    the output equals a 1-process run's, byte for byte; a bad field is one line, exit 2."""
+    from zerompi.data.prepare import prepare
+
+    write_jsonl(tmp_path / "a.jsonl", documents(120, seed=3))
+    args = ["--val_fraction", "0.1", "--unit_mb", "0.002", "--progress", "none"]
+    prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "one"), val_fraction=0.1, unit_mb=0.002, progress=False)
+    res = run_mpi(2, ["-m", "zerompi.prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "two"),
+                      "--workers", "2"] + args, module=False, timeout=120)
+    assert "by 2 ranks x 2 workers" in res.stdout, res.stdout
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert len(files) > 6 and files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*")
+                                              if p.is_file())
+    assert all((tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes() for f in files)
+    res = run_mpi(2, ["-m", "zerompi.prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "bad"),
+                      "--field", "body"] + args, module=False, check=False, timeout=120)
+    assert res.returncode == 2 and res.stdout.count("has no 'body' field") == 1, res.stdout
+    assert "Traceback" not in res.stdout

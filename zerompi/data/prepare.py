@@ -147,49 +147,79 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", *, field: str
                 "text_docs": text_docs, "val_fraction": val_fraction, "seed": seed,
                 "unit_bytes": int(unit_mb * 2**20)}
     units = plan(input_files(inputs), settings["unit_bytes"], text_docs)
+    comm = _mpi_world()
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     outp = pathlib.Path(out)
-    outp.mkdir(parents=True, exist_ok=True)
-    (outp / "prepare.json").unlink(missing_ok=True)  # complete again only once every shard is
     keys = {u.index: _plan_key(u, settings) for u in units}
-    todo = [u for u in units if not _done(outp, u, keys[u.index])]
-    for split in ("train", "val"):  # a killed write, or shards of an earlier plan with more units
-        d = outp / split
-        for f in sorted(d.iterdir()) if d.is_dir() else []:
-            if f.name.endswith(".tmp") or (f.suffix == ".h5" and f.stem.isdigit() and int(f.stem) >= len(units)):
-                f.unlink()
+    if rank == 0:
+        outp.mkdir(parents=True, exist_ok=True)
+        (outp / "prepare.json").unlink(missing_ok=True)  # complete again only once every shard is
+        for split in ("train", "val"):  # a killed write, or shards of an earlier plan with more units
+            d = outp / split
+            for f in sorted(d.iterdir()) if d.is_dir() else []:
+                if f.name.endswith(".tmp") or (f.suffix == ".h5" and f.stem.isdigit() and int(f.stem) >= len(units)):
+                    f.unlink()
+    if comm is not None:
+        comm.barrier()
+    # ranks take units round-robin; the shards are the same whoever writes them
+    todo = [u for u in units if u.index % size == rank and not _done(outp, u, keys[u.index])]
     from tqdm import tqdm
 
-    t0, new_tokens = time.perf_counter(), 0
-    pending = {u.index for u in todo}
-    summaries = {u.index: _summary_of(outp, u) for u in units if u.index not in pending}
-    # progress None: a bar when stderr is a terminal (tqdm's disable=None)
-    bar = tqdm(total=len(units), initial=len(units) - len(todo), unit="shard", desc="prepare",
-               disable=None if progress is None else not progress)
+    t0, new_tokens, error = time.perf_counter(), 0, None
+    # progress None: a bar when stderr is a terminal (tqdm's disable=None); rank 0's units only
+    bar = tqdm(total=len(todo), unit="shard", desc="prepare", disable=rank > 0 or (None if progress is None else
+                                                                                   not progress))
     jobs = [(u, outp, settings, keys[u.index]) for u in todo]
-    if workers == 1 or len(todo) <= 1:
-        results = map(_tokenize, jobs)
-        pool = None
-    else:
-        pool = mp.get_context("fork").Pool(min(workers, len(todo)), initializer=_init, initargs=(tokenizer,))
-        results = pool.imap_unordered(_tokenize, jobs)
+    pool = None
     try:
+        if workers == 1 or len(todo) <= 1:
+            results = map(_tokenize, jobs)
+        else:
+            pool = mp.get_context("fork").Pool(min(workers, len(todo)), initializer=_init, initargs=(tokenizer,))
+            results = pool.imap_unordered(_tokenize, jobs)
         for r in results:
-            summaries[r["unit"]] = r
             new_tokens += r["train"]["tokens"] + r["val"]["tokens"]
             bar.update(1)
             bar.set_postfix_str(f"{new_tokens / max(1e-9, time.perf_counter() - t0):,.0f} tokens/s")
+    except PrepareError as e:
+        if comm is None:
+            raise
+        error = str(e)
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
+    if comm is not None:  # every rank's outcome, so that all stop together on a bad input
+        errors = [e for e in comm.allgather(error) if e]
+        new_tokens = comm.allreduce(new_tokens)
+        if errors:
+            raise PrepareError(errors[0])
+    done_before = len(units) - comm.allreduce(len(todo)) if comm is not None else len(units) - len(todo)
     elapsed = time.perf_counter() - t0
-    ordered = [summaries[u.index] for u in units]
-    manifest = {"format": FORMAT, "format_version": VERSION, **settings, "inputs": list(inputs),
-                "shards": {s: [o[s] for o in ordered] for s in ("train", "val")},
-                "tokens": {s: sum(o[s]["tokens"] for o in ordered) for s in ("train", "val")},
-                "docs": {s: sum(o[s]["docs"] for o in ordered) for s in ("train", "val")}}
-    tmp = outp / "prepare.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, outp / "prepare.json")
-    return {"manifest": manifest, "units": len(units), "done_before": len(units) - len(todo),
-            "new_tokens": new_tokens, "seconds": elapsed}
+    manifest = None
+    if rank == 0:  # from the shards themselves: whichever rank or run wrote them
+        ordered = [_summary_of(outp, u) for u in units]
+        manifest = {"format": FORMAT, "format_version": VERSION, **settings, "inputs": list(inputs),
+                    "shards": {s: [o[s] for o in ordered] for s in ("train", "val")},
+                    "tokens": {s: sum(o[s]["tokens"] for o in ordered) for s in ("train", "val")},
+                    "docs": {s: sum(o[s]["docs"] for o in ordered) for s in ("train", "val")}}
+    if rank == 0:
+        tmp = outp / "prepare.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, outp / "prepare.json")
+    if comm is not None:
+        manifest = comm.bcast(manifest)  # the manifest exists when any rank returns
+    return {"manifest": manifest, "units": len(units), "done_before": done_before, "new_tokens": new_tokens,
+            "seconds": elapsed, "rank": rank, "ranks": size}
+
+
+def _mpi_world():
+    """COMM_WORLD when launched as several MPI ranks (mpiexec, srun), else None: MPI is not
+    started for a plain run."""
+    launched = any(int(os.environ.get(k, "1") or 1) > 1 for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                                                                 "PMIX_SIZE", "MPI_LOCALNRANKS"))
+    if not launched:
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else None
