@@ -1,8 +1,10 @@
 """JSONL and Parquet -> `python -m zerompi.prepare` (a tokenizer trained in the test) ->
 `zerompi.train` on 2 ranks in epoch order with the document mask; a run stopped mid-epoch
 and resumed gives the same losses, gradient norms, validation losses and final weights as
-the uninterrupted run, across the epoch boundary."""
+the uninterrupted run, across the epoch boundary. prepare itself on 2 MPI ranks, and its
+peak memory against the input size."""
 import json
+import os
 import subprocess
 import sys
 
@@ -91,3 +93,25 @@ def test_prepare_on_two_mpi_ranks_writes_the_same_bytes(tmp_path):
                       "--field", "body"] + args, module=False, check=False, timeout=120)
     assert res.returncode == 2 and res.stdout.count("has no 'body' field") == 1, res.stdout
     assert "Traceback" not in res.stdout
+
+
+def test_memory_does_not_grow_with_the_input(tmp_path):
+    """Peak RSS of a 1-worker prepare (unit_mb 1) with a 2 MB and a 24 MB JSONL: the growth
+    is a small part of the 22 MB more input (loading it whole would add > 22 MB)."""
+    line = b'{"text": "' + b"abcdefghij" * 99 + b'"}\n'
+
+    def peak(mb):
+        p = tmp_path / f"in{mb}.jsonl"
+        with open(p, "wb") as f:
+            for _ in range(mb):
+                f.write(line * (2**20 // len(line)))
+        # VmHWM: this process's peak (ru_maxrss would include the forking parent's)
+        code = ("import sys; from zerompi.prepare import main; rc = main(sys.argv[1:]); "
+                "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0]); sys.exit(rc)")
+        out = subprocess.run([sys.executable, "-c", code, str(p), "--out", str(tmp_path / f"o{mb}"), "--workers", "1",
+                              "--unit_mb", "1", "--progress", "none"], capture_output=True, text=True, check=True,
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return int(out.stdout.split()[-1]) * 1024
+
+    small, big = peak(2), peak(24)
+    assert big - small < 6 * 2**20, (small, big)

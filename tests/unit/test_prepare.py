@@ -1,10 +1,8 @@
 """`python -m zerompi.prepare` (zerompi/data/prepare.py, readers.py): JSONL, Parquet and text
 to HDF5 shards that hold every document once, the same bytes with 1 and 2 workers,
-resumable after a failure, bad input as one line, bounded memory."""
-import os
+resumable after a failure, bad input as one line (bounded memory, 2 MPI ranks:
+tests/system/test_prepare_train.py)."""
 import pathlib
-import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -13,8 +11,6 @@ import pytest
 from tiny_corpus import documents, train_tokenizer, write_jsonl, write_parquet
 from zerompi.data import prepare as prep
 from zerompi.data.readers import PrepareError
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -104,28 +100,6 @@ def test_bad_input_is_one_line_exit_2(inputs, tmp_path, capsys, case, needle):
     assert main(args + ["--out", str(tmp_path / "o"), "--progress", "none"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and err.startswith("zerompi.prepare: error:"), err
-
-
-def test_memory_does_not_grow_with_the_input(tmp_path):
-    """Peak RSS of a 1-worker prepare (unit_mb 1) with a 2 MB and a 24 MB JSONL: the growth
-    is a small part of the 22 MB more input (loading it whole would add > 22 MB)."""
-    line = b'{"text": "' + b"abcdefghij" * 99 + b'"}\n'
-
-    def peak(mb):
-        p = tmp_path / f"in{mb}.jsonl"
-        with open(p, "wb") as f:
-            for _ in range(mb):
-                f.write(line * (2**20 // len(line)))
-        # VmHWM: this process's peak (ru_maxrss would include the forking parent's)
-        code = ("import sys; from zerompi.prepare import main; rc = main(sys.argv[1:]); "
-                "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0]); sys.exit(rc)")
-        out = subprocess.run([sys.executable, "-c", code, str(p), "--out", str(tmp_path / f"o{mb}"), "--workers", "1",
-                              "--unit_mb", "1", "--progress", "none"], capture_output=True, text=True, check=True,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        return int(out.stdout.split()[-1]) * 1024
-
-    small, big = peak(2), peak(24)
-    assert big - small < 6 * 2**20, (small, big)
 
 
 def test_datasets_folder(tmp_path):
