@@ -97,3 +97,22 @@ def test_concat_reads_across_files_and_specs_resolve(tmp_path):
     assert np.asarray(d.val.tokens[0:2]).tolist() == [5, 6]
     with pytest.raises(DataError, match="doc_mask = true: data .* does not record its documents"):
         check_data(str(tmp_path), "", None, 256, 1, 0.1, False, True)
+
+
+def test_many_files_raise_the_open_files_limit(tmp_path):
+    import resource
+
+    from zerompi.data.sources import open_many
+
+    for i in range(120):
+        np.save(tmp_path / f"s{i:03d}.npy", np.full(10, i, np.int32))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 400:
+        pytest.skip(f"hard open-files limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))  # below the 120 + 256 it needs
+    try:
+        src = open_many(sorted(str(p) for p in tmp_path.iterdir()), None)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 376
+        assert np.asarray(src.tokens[1195:1200]).tolist() == [119] * 5
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

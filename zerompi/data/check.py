@@ -178,7 +178,12 @@ def _h5_source(spec: str, path: pathlib.Path, name: str | None, docs: bool) -> S
         attrs = dict(f.attrs) if ours else {}
         n_docs = f["doc_offsets"].shape[0] - 1 if ours else 0
         offsets = np.asarray(f["doc_offsets"][:], np.int64) if ours and docs else None
-    t = H5Tokens(path, "tokens" if ours else name)
+        d = f["tokens"] if ours else None
+        at = d.id.get_offset() if d is not None and d.shape[0] else None  # None: not contiguous, or empty
+        dt, n = (d.dtype, d.shape[0]) if d is not None else (None, 0)
+    # a contiguous shard is read as a memmap: cheaper per window than an HDF5 read, no HDF5 handle kept
+    t = np.memmap(path, dtype=dt, mode="r", offset=at, shape=(n,)) if at is not None and dt.isnative \
+        else H5Tokens(path, "tokens" if ours else name)
     vocab = int(attrs["vocab_size"]) if "vocab_size" in attrs else None
     what = (f"zerompi shard ({t.dtype}, {len(t):,} tokens, {n_docs:,} documents, "
             f"tokenizer {attrs.get('tokenizer', '?')})" if ours else f"HDF5 dataset {t.dset.name} ({t.dtype}, "

@@ -83,6 +83,7 @@ def resolve(spec: str, val_spec: str = "") -> tuple[list[str], list[str] | None]
 
 def open_many(files: list[str], dtype: str | None, docs: bool = True) -> Source:
     """The files as one Source (documents, if `docs`: only when every file knows its own)."""
+    _open_files_limit(len(files), files[0])
     srcs = [open_source(f, dtype, docs) for f in files]
     _same_tokenizer(list(zip(files, srcs)))
     srcs = [s for s in srcs if len(s.tokens)] or srcs[:1]  # prepare writes empty val shards
@@ -97,6 +98,21 @@ def open_many(files: list[str], dtype: str | None, docs: bool = True) -> Source:
     t = Concat([s.tokens for s in srcs])
     return Source(t, f"{len(srcs)} files ({', '.join(kinds)}; {len(t):,} tokens)", max(vocabs) if vocabs else None,
                   docs, srcs[0].tokenizer)
+
+
+def _open_files_limit(n: int, first: str) -> None:
+    """Each opened file holds a descriptor (memmap): raise the soft limit if it is too low."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = n + 256  # and what MPI, torch and the checkpoints open
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(hard, need)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        raise DataError(f"data {first} ...: {n:,} token files, but a process may open {hard:,} files (ulimit -Hn): "
+                        "join them into fewer (a larger python -m zerompi.prepare --unit_mb)")
 
 
 def _same_tokenizer(named: list[tuple[str, Source]]) -> None:
