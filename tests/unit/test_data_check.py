@@ -10,6 +10,7 @@ import torch
 from bad_tokens import bad_outside_sample
 from zerompi.data import write_tokens
 from zerompi.data import check as dc
+from zerompi.data.sources import check_data
 
 
 def test_formats_are_detected_and_read(tmp_path):
@@ -81,7 +82,7 @@ def test_bad_sources_name_the_problem(tmp_path, case, message):
         p.write_bytes(p.read_bytes()[:-8])
     dtype = "uint16" if case in ("odd_size", "uint32_as_uint16") else None
     with pytest.raises(dc.DataError, match=message):
-        dc.check_source(str(p), 256 if case != "uint32_as_uint16" else 65536, 8, 0.1, True, dtype=dtype)
+        check_data(str(p), "", dtype, 256 if case != "uint32_as_uint16" else 65536, 8, 0.1, True, False)
 
 
 def _megatron(path, docs, dtype):
@@ -111,24 +112,24 @@ def test_ids_beyond_the_vocabulary_are_found_on_the_sample(tmp_path):
     ids[31_337] = 300
     write_tokens(tmp_path / "d.bin", ids)
     with pytest.raises(dc.DataError, match=r"token id 300 at position 31,337 .* vocab_size 256"):
-        dc.check_source(str(tmp_path / "d.bin"), 256, 8, 0.1, True)
+        check_data(str(tmp_path / "d.bin"), "", None, 256, 8, 0.1, True, False)
     # The sidecar's own vocab_size is checked against the model before any id is read.
     write_tokens(tmp_path / "e.bin", ids % 256, vocab_size=50257)
     with pytest.raises(dc.DataError, match="tokenized for vocab_size 50257"):
-        dc.check_source(str(tmp_path / "e.bin"), 256, 8, 0.1, True)
+        check_data(str(tmp_path / "e.bin"), "", None, 256, 8, 0.1, True, False)
 
 
 def test_too_short_for_a_window(tmp_path):
     write_tokens(tmp_path / "d.bin", np.arange(100) % 256)
-    with pytest.raises(dc.DataError, match="validation.*shorter than block_size"):
-        dc.check_source(str(tmp_path / "d.bin"), 256, 64, 0.05, True)
-    dc.check_source(str(tmp_path / "d.bin"), 256, 64, 0.05, False)  # no eval: fine
+    with pytest.raises(dc.DataError, match=r"the validation tokens \(\d+\) are fewer than block_size\+1"):
+        check_data(str(tmp_path / "d.bin"), "", None, 256, 64, 0.05, True, False)
+    check_data(str(tmp_path / "d.bin"), "", None, 256, 64, 0.05, False, False)  # no eval: fine
 
 
 def test_the_rest_is_checked_lazily_per_batch(tmp_path):
     n = dc._SAMPLE_CHUNKS * dc._CHUNK * 2
     write_tokens(tmp_path / "d.bin", bad_outside_sample(n))
-    tokens, _ = dc.check_source(str(tmp_path / "d.bin"), 256, 16, 0.0, False)  # the sample passes
+    tokens = check_data(str(tmp_path / "d.bin"), "", None, 256, 16, 0.0, False, False).train.tokens  # sample passes
     s = dc.CheckedSampler(tokens, 16, seed=0, vocab_size=1000)
     s.batch(0, 0, 0, 1, 4)  # 999 < 1000: fine
     s = dc.CheckedSampler(tokens, 16, seed=0, vocab_size=256, spec="d.bin")
@@ -142,7 +143,7 @@ def test_checked_sampler_equals_plain_sampler(tmp_path):
 
     ids = np.random.default_rng(1).integers(0, 256, 5000)
     write_tokens(tmp_path / "d.bin", ids)
-    tokens, _ = dc.check_source(str(tmp_path / "d.bin"), 256, 16, 0.1, True)
+    tokens = check_data(str(tmp_path / "d.bin"), "", None, 256, 16, 0.0, False, False).train.tokens
     a = dc.CheckedSampler(tokens, 16, seed=3, vocab_size=256).batch(5, 1, 1, 2, 8, 2)
     b = TokenSampler(tokens, 16, seed=3).batch(5, 1, 1, 2, 8, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tokens import H5Tokens, TokenSampler, open_tokens, split_tokens
+from .tokens import H5Tokens, TokenSampler, open_tokens
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _NPY_MAGIC = b"\x93NUMPY"
@@ -256,30 +256,6 @@ def _sample_max(tokens, n: int) -> tuple[int, int, int]:
                 hi, where = int(a[k]), int(s) + k
             lo = min(lo, int(a.min()))
     return hi, lo, where
-
-
-def check_source(spec: str, vocab_size: int, block_size: int, val_fraction: float, need_val: bool,
-                 dtype: str | None = None):
-    """Open and check `spec` for a model with `vocab_size` ids and `block_size`-token
-    windows. Returns (tokens, one-line description); raises DataError."""
-    tokens, what, meta_vocab = open_checked(spec, dtype)
-    n = len(tokens)
-    if isinstance(meta_vocab, int) and meta_vocab > vocab_size:
-        raise DataError(f"data {spec}: tokenized for vocab_size {meta_vocab} (its .json sidecar) but the model "
-                        f"has {vocab_size}: set model.vocab_size = {meta_vocab}")
-    hi, lo, where = _sample_max(tokens, n)
-    if lo < 0:
-        raise DataError(f"data {spec}: negative token ids; token ids are 0 .. vocab_size-1")
-    if hi >= vocab_size:
-        raise DataError(f"data {spec}: token id {hi} at position {where:,} is >= the model's vocab_size "
-                        f"{vocab_size}: set model.vocab_size (at least {hi + 1}) or use data "
-                        "tokenized for this model")
-    train, val = split_tokens(tokens, val_fraction)
-    if len(train) < block_size + 1 or (need_val and len(val) < block_size + 1):
-        raise DataError(f"data {spec}: {n:,} tokens: the {'validation' if len(train) > block_size else 'training'}"
-                        f" split (val_fraction {val_fraction}) is shorter than block_size+1 = {block_size + 1}")
-    sampled = min(n, _SAMPLE_CHUNKS * _CHUNK)
-    return tokens, f"{what}; ids < {vocab_size} in a {sampled:,}-token sample, the rest checked as read"
 
 
 class CheckedSampler(TokenSampler):
