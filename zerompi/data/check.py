@@ -3,12 +3,14 @@
 A bad --data used to surface late: a text file trained as uint16 "tokens" until an
 IndexError deep in the embedding, once per rank. Here the source's format is detected
 from its bytes (not trusted from its name), its size and dtype are checked against that
-format, and a sample of token ids is checked against the model's vocabulary; the whole
+format (here, per file), and a sample of token ids is checked against the model's
+vocabulary (sources.check_data, over all the files `data` names); the whole
 file is then checked lazily, batch by batch, as training reads it (`CheckedSampler`),
 so no start-up pass over a multi-GB file is needed.
 
 Formats (detected in this order):
   * HDF5 (magic ``\\x89HDF``): ``file.h5`` or ``file.h5:/dataset``, a 1-D integer dataset;
+    prepare's shards (``tokens`` + ``doc_offsets``, docs/data.md) with their documents;
   * ``.npy`` (magic ``\\x93NUMPY``): a 1-D integer array, memory-mapped;
   * llm.c token shards (int32 header: magic 20240520 version 1 with uint16 tokens, or
     magic 20240801 version 7 with uint32 tokens; token count; tokens from byte 1024);
