@@ -94,7 +94,7 @@ def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
 
 SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
             "zero.optimizer.lr")
-DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
+DATA = ("spec", "val", "order", "seed", "global_batch", "block_size", "fingerprint")
 
 
 def check_train_changes(world, client: dict | None, config: dict, model: dict, data: dict,
@@ -161,7 +161,8 @@ def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
     resume), after checking that every rank reads the same tokens (collective)."""
     from ..data import fingerprint
 
-    state = {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch,
+    state = {"spec": cfg.data, "val": cfg.data_val, "order": cfg.data_order, "seed": cfg.seed,
+             "global_batch": cfg.global_batch,
              "block_size": cfg.seq_len, "fingerprint": fingerprint(train_tokens)}
     differ = runtime.same_everywhere(world, {"train": state["fingerprint"], "val": fingerprint(val_tokens)},
                                      "data set")

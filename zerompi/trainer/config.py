@@ -59,10 +59,26 @@ class TrainConfig:
     """The tokenizer the data was made with (a tokenizer.json, or a directory of
     tokenizer files); `python -m zerompi.export --hf` copies its files."""
     data: str = "default"
-    """'default' (byte-level Python stdlib, built on first use), a .bin token file,
-    or file.h5:/dataset."""
+    """'default' (byte-level Python stdlib, built on first use), a token file (.bin with
+    its sidecar or header, Megatron .bin+.idx, llm.c shard, .npy, file.h5[:/dataset]), a
+    folder of them, a glob, a comma-separated list, or a `python -m zerompi.prepare`
+    output folder (its train/ shards, its val/ ones for validation). docs/data.md."""
+    data_val: str = ""
+    """Validation tokens, named like data; empty: the last val_fraction of data's tokens
+    (or a prepare folder's val/ shards)."""
+    data_dtype: str = ""
+    """uint8 | uint16 | uint32 | int32: what a headerless token file (no header, no .json
+    sidecar) holds. Such a file is refused without it."""
+    data_order: str = "random"
+    """random | epoch. random: each step draws its windows at random (with replacement),
+    seeded by (seed, step). epoch: the non-overlapping windows in epochs without
+    replacement, in a seeded order independent of the world size; a resumed run continues
+    at the checkpoint's position (data/epoch.py)."""
+    doc_mask: bool = False
+    """No attention across document boundaries: the model gets doc_ids (needs data that
+    records its documents: prepare's shards, Megatron .bin+.idx)."""
     val_fraction: float = 0.05
-    """Last fraction of the tokens held out for validation."""
+    """Last fraction of the tokens held out for validation (when data_val names none)."""
     block_size: int = 0
     """Tokens per training sequence; 0 = the model's context length (must be <= it)."""
     global_batch: int = 32
@@ -152,7 +168,11 @@ class TrainConfig:
             fail("log_interval", self.log_interval, "must be >= 1")
         if not 0.0 <= self.val_fraction < 1.0:
             fail("val_fraction", self.val_fraction, "must be in [0, 1)")
-        if self.eval_interval and self.val_fraction == 0:
+        if self.data_dtype not in ("", "uint8", "uint16", "uint32", "int32"):
+            fail("data_dtype", self.data_dtype, "must be uint8, uint16, uint32 or int32")
+        if self.data_order not in ("random", "epoch"):
+            fail("data_order", self.data_order, "must be random or epoch")
+        if self.eval_interval and self.val_fraction == 0 and not self.data_val:
             fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
         if self.lr_schedule not in KINDS:
             fail("lr_schedule", self.lr_schedule, f"must be one of {', '.join(KINDS)}")
@@ -183,7 +203,18 @@ class TrainConfig:
 def load(source: "str | os.PathLike | dict | None" = None,
          overrides: "dict[str, Any] | Sequence[str] | None" = None) -> TrainConfig:
     """TrainConfig from a TOML/JSON file or dict plus dotted overrides."""
-    return config.load(source, overrides, cls=TrainConfig)
+    from ..config.errors import ConfigError
+
+    try:
+        return config.load(source, overrides, cls=TrainConfig)
+    except ConfigError as e:
+        if e.key == "data" and isinstance(e.value, dict) and e.value:
+            k, v = next(iter(e.value.items()))  # `data.dtype` / a [data] table: name the key as typed
+            flat = {"dtype": "data_dtype", "val": "data_val", "order": "data_order", "doc_mask": "doc_mask"}
+            raise ConfigError(f"data.{k}", v, "data is one string (the token source); the other data keys "
+                              f"are flat: {flat.get(k, 'data_val, data_dtype, data_order, doc_mask')} "
+                              "(docs/data.md)") from None
+        raise
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:

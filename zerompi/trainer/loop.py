@@ -24,8 +24,9 @@ import zerompi
 from .. import runtime
 from ..checkpoint.resume import resume
 from ..config import to_dict
-from ..data import TokenSampler, default_corpus, split_tokens
-from ..data.check import CheckedSampler, open_agreed
+from ..data import TokenSampler, default_corpus
+from ..data.check import CheckedSampler
+from ..data.sources import open_agreed_data
 from ..models import arch
 from ..optim import decay_groups
 from ..parallel.dims import ParallelDims
@@ -112,8 +113,10 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
                 rows = TokenSampler.rows(m, r, n, B, G)
                 # A rank with no rows still runs a forward (stage 3 gathers parameters
                 # in it), on one borrowed row that is weighted 0.
-                x, y = val_data.eval_batch(b, r, n, B, m, G) if rows else val_data.eval_batch(b, 0, 1, 1)
-                _, loss = engine(x.to(device), y.to(device))
+                at = (b, r, n, B, m, G) if rows else (b, 0, 1, 1)
+                x, y = val_data.eval_batch(*at)
+                docs = {"doc_ids": val_data.eval_doc_ids(*at).to(device)} if cfg.doc_mask else {}
+                _, loss = engine(x.to(device), y.to(device), **docs)
                 loss_sum += loss.item() * rows  # sync: host waits for the device (GPU)
                 rows_sum += rows
     engine.train()
@@ -147,14 +150,16 @@ def run(cfg, nodes) -> int:
     T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.shape().vocab_size
     spec = str(default_corpus()) if cfg.data == "default" else cfg.data
     # Format, size and a sample of ids checked before any step; the rest as batches are read.
-    tokens = open_agreed(spec, V, T, cfg.val_fraction, bool(cfg.eval_interval), dims.world)
-    if tokens is None:
+    data = open_agreed_data(cfg, V, T, spec, dims.world)
+    if data is None:
         return EXIT_USAGE
-    train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
+    train_tokens, val_tokens = data.train.tokens, data.val.tokens
     # sync: fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
     data_state = agreed_data_state(dims.world, cfg, train_tokens, val_tokens)
-    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec)
-    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
+    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec, order=cfg.data_order,
+                                doc_starts=data.train.doc_starts if cfg.doc_mask else None)
+    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=cfg.data_val or spec,
+                              doc_starts=data.val.doc_starts if cfg.doc_mask else None) if cfg.eval_interval else None
 
     # ---------------------------------------------------------------- model and engine
     shape, family = cfg.model.shape(), cfg.model.kind
@@ -192,6 +197,8 @@ def run(cfg, nodes) -> int:
     start_step = int(client["step"]) if client else 0
     if cfg.init_from and client is None:  # sync: collective; a resumed run has its own weights
         _init_from(engine, cfg, family, dims)
+    # the epoch walk goes on where the checkpoint left it (older checkpoints: step x batch)
+    train_data.resume_at(start_step, int(client.get("data_position", start_step * B)) if client else 0)
     def info(line: str) -> None:
         say(line, rank=dims.rank, prog=PROG, err=False)
 
@@ -205,7 +212,10 @@ def run(cfg, nodes) -> int:
              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
              + f", ZeRO stage {cfg.zero.stage} "
              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
+             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
+             + (f"; epoch order: {train_data.num_windows():,} windows, {train_data.num_windows() / B:.1f} steps "
+                "per epoch" if cfg.data_order == "epoch" else "")
+             + ("; no attention across documents (doc_mask)" if cfg.doc_mask else ""))
         info(f"run_dir {run_dir}; "
              + (f"resumed at step {start_step}" if start_step else "starting at step 0")
              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
@@ -269,9 +279,10 @@ def _loop(run: Run) -> int:
             # state in checkpoints, so a resumed run repeats an uninterrupted one exactly.
             torch.manual_seed(int(np.random.SeedSequence([cfg.zero.seed, step, m, dims.dp_rank])
                                   .generate_state(1)[0]))
-            x, y = train_data.batch(step, m, dims.dp_rank, dims.dp_size, B, G) if rows \
-                else train_data.batch(step, 0, 0, 1, 1)
-            _, loss = engine(x.to(device), y.to(device))
+            at = (step, m, dims.dp_rank, dims.dp_size, B, G) if rows else (step, 0, 0, 1, 1)
+            x, y = train_data.batch(*at)
+            docs = {"doc_ids": train_data.doc_ids(*at).to(device)} if cfg.doc_mask else {}
+            _, loss = engine(x.to(device), y.to(device), **docs)
             # Exact global mean with uneven rows: the engine averages the D*G (dp rank,
             # micro-step) gradients, so a mean loss scaled by rows*D*G/B gives the gradient of
             # the mean over all B rows. A rank with 0 rows adds 0 but joins the reduction.
@@ -299,6 +310,9 @@ def _loop(run: Run) -> int:
                   "tokens": done * B * T, "tokens_per_s": B * T / dt,
                   "step_time": dt, "mfu": run.flops_per_token * B * T / dt / (run.peak * dims.world.size),
                   "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
+                  # epochs completed (fraction) of the epoch order's walk
+                  **({"epoch": train_data.position(done, B) / train_data.num_windows()}
+                     if cfg.data_order == "epoch" else {}),
                   "time": time.perf_counter() - t_start}
         # the offloaded optimizer's phases (docs/offload.md), flat: offload_host_pass, ...
         record.update({f"offload_{k}": v for k, v in engine.offload_phases.items()})
@@ -309,9 +323,10 @@ def _loop(run: Run) -> int:
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
                 say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
-            else:  # sync: collective. The sampler is a pure function of (seed, step): the step is the data position
+            else:  # sync: collective. The sampler is a pure function of (seed, step, data_position)
                 # "metrics": this step's line, which a kill right after the save would lose
                 checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": run.data_state,
+                                        "data_position": train_data.position(done, B),
                                         "model": run.model_state, "config": to_dict(cfg),
                                         "metrics": dict(record)}, final=bool(sig or last))
         saved = checkpoints.take()
