@@ -154,7 +154,8 @@ def _check_types(ds: Mapping, trainer: bool) -> None:
                           "AdamW map onto it); other optimizers are refused" if "type" in opt else "missing: "
                           "DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW) or remove the block")
     sch = ds.get("scheduler")
-    if isinstance(sch, Mapping) and sch.get("type") not in SCHEDULES and not _all_auto(sch):
+    known = SCHEDULES if trainer else (*SCHEDULES, "WarmupDecayLR", "OneCycle")  # initialize: ds_schedules.py
+    if isinstance(sch, Mapping) and sch.get("type") not in known and not _all_auto(sch):
         why = _REFUSED_SCHEDULES.get(sch.get("type"), "not a DeepSpeed schedule zerompi maps (WarmupLR and "
                                      "WarmupCosineLR with warmup_type linear are)")
         raise ConfigError("scheduler.type", sch.get("type"), why)
@@ -277,10 +278,15 @@ def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
         t.schedule = "auto"
         ctx.read.update(params)
         return
-    if not trainer:
-        raise ConfigError(ctx.name("scheduler.type"), kind, "zerompi.initialize has no LR scheduler: set "
-                          "engine.param_groups[i]['lr'] in your loop (python -m zerompi.train maps WarmupLR and "
-                          "WarmupCosineLR exactly)")
+    if not trainer:  # zerompi.initialize builds it from the block (zero/client_optim.py, ds_schedules.py)
+        from .deepspeed_schedules import PARAMS
+        for k in params:
+            if k.rpartition(".")[2] not in PARAMS[kind]:
+                raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")
+        ctx.read.update(params)
+        ctx.read.add("scheduler.type")
+        t.schedule = kind
+        return
     for k in params:
         if k.rpartition(".")[2] not in SCHEDULES[kind]:
             raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")

@@ -37,8 +37,10 @@ def _dtype(zero, which: str) -> str:
 
 def _schedule(t: Translation, train) -> str:
     if train is None:
-        return ("your loop's (\"auto\")" if t.schedule == "auto" else "none") + ": the engine has no scheduler; " \
-            "set engine.param_groups' lr in your loop"
+        if t.schedule not in ("auto", "none"):
+            return f"DeepSpeed's {t.schedule} as engine.lr_scheduler, stepped after each applied update"
+        return ("your loop's (\"auto\")" if t.schedule == "auto" else "none") + ": pass lr_scheduler= to " \
+            "zerompi.initialize, or set engine.param_groups' lr in your loop"
     lr, w, a, low = train.zero.optimizer.lr, train.warmup_steps, train.warmup_start_lr, train.min_lr
     end = train.lr_decay_steps or train.max_steps
     if train.lr_schedule == "deepspeed_warmup":

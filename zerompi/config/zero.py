@@ -278,6 +278,9 @@ class ZeroConfig:
     grad_accum_dtype: str = "param"
     """dtype of stored gradients between micro-steps: 'param' (the paper's memory
     numbers) or 'fp32' (exact accumulation, +2 bytes per stored element in bf16/fp16)."""
+    buffer_dtype: str = "keep"
+    """Floating buffers (BatchNorm statistics, a rotary inv_freq) in bf16/fp16 runs: keep
+    (their own dtype, as DeepSpeed >= 0.19.2), fp32, or param (cast with the parameters)."""
     alignment: int = 16
     """Each parameter starts at a multiple of this many elements in the flat buffer."""
     shard_group: int | str = "world"
@@ -324,6 +327,8 @@ class ZeroConfig:
             fail("bucket_count", self.bucket_count, "must be >= 1")
         if self.reduce_dtype not in ("fp32", "param"):
             fail("reduce_dtype", self.reduce_dtype, "must be fp32 or param")
+        if self.buffer_dtype not in ("keep", "fp32", "param"):
+            fail("buffer_dtype", self.buffer_dtype, "must be keep, fp32 or param")
         if self.grad_accum_dtype not in ("fp32", "param"):
             fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
         sg = self.shard_group
