@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .deepspeed_optim import ELEMENTWISE, elementwise, only
 from .deepspeed_keys import ALIASES, BLOCKS, DS_VERSION, IGNORE, MAP, TABLE, lookup, switched_on
 from .deepspeed_values import AUTO, Values
 from .deepspeed_zero import map_zero
@@ -134,7 +135,7 @@ def translate(ds: Mapping, world_size: "int | Callable[[], int]" = None, run: Ru
         elif entry.action == IGNORE and not entry.quiet and switched_on(value):
             t.ignored.append(name)
     ws = _world(world_size, run)
-    _optimizer(ctx, t, run)
+    _optimizer(ctx, t, run, trainer)
     _schedule(ctx, t, run, trainer)
     _clipping(ctx, t)
     _batch(ctx, t, ws, run)
@@ -149,10 +150,12 @@ def _check_types(ds: Mapping, trainer: bool) -> None:
     """optimizer.type and scheduler.type first: their refusal says more than a parameter
     the other optimizer or schedule does not know."""
     opt = ds.get("optimizer")
-    if isinstance(opt, Mapping) and opt and str(opt.get("type")).lower() not in ADAM:
-        raise ConfigError("optimizer.type", opt.get("type"), "zerompi trains with AdamW only (DeepSpeed's Adam and "
-                          "AdamW map onto it); other optimizers are refused" if "type" in opt else "missing: "
-                          "DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW) or remove the block")
+    if isinstance(opt, Mapping) and opt and str(opt.get("type")).lower() not in ADAM + ELEMENTWISE:
+        raise ConfigError("optimizer.type", opt.get("type"), "zerompi trains with AdamW (DeepSpeed's Adam and "
+                          "AdamW map onto it), SGD and Adagrad; other optimizers (LAMB, Lion, OneBitAdam, ...: "
+                          "whole-tensor statistics or compressed communication) are refused" if "type" in opt
+                          else "missing: DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW, SGD, "
+                          "Adagrad) or remove the block")
     sch = ds.get("scheduler")
     known = SCHEDULES if trainer else (*SCHEDULES, "WarmupDecayLR", "OneCycle")  # initialize: ds_schedules.py
     if isinstance(sch, Mapping) and sch.get("type") not in known and not _all_auto(sch):
@@ -227,13 +230,20 @@ def _precision(ctx: Values, t: Translation, run: Run) -> str:
     return precision
 
 
-def _optimizer(ctx: Values, t: Translation, run: Run) -> None:
+def _optimizer(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
     """DeepSpeed's Adam/AdamW with its defaults (FusedAdam's and CPUAdam's; torch.optim.AdamW's
     weight_decay 0.01 with torch_adam). No optimizer block: the client's (the run's)."""
     if not any(k.startswith("optimizer.") for k in ctx.flat):
         return
     t.optimizer = True
     kind = str(ctx.get("optimizer.type")).lower()
+    if kind in ELEMENTWISE:
+        if trainer:
+            raise ConfigError(ctx.name("optimizer.type"), ctx.get("optimizer.type"), "python -m zerompi.train "
+                              "trains with AdamW; SGD and Adagrad run through zerompi.initialize")
+        t.zero["optimizer"] = elementwise(ctx, t, kind)
+        return
+    only(ctx, ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"), f"DeepSpeed's {kind}")
     torch_adam = ctx.get("optimizer.params.torch_adam") is True
     # DeepSpeed's "AdamW" is always decoupled; its "Adam" unless adam_w_mode is false
     decoupled = ctx.get("optimizer.params.adam_w_mode") is not False or kind == "adamw"

@@ -107,7 +107,8 @@ _TABLE = [
         doc_default="buffers keep their dtype (buffer_dtype keep)"),
     Key("seq_parallel_communication_data_type", IGNORE, "used only with sequence parallelism", "fp32"),
     # -- optimizer ----------------------------------------------------------------------
-    Key("optimizer.type", MAP, "Adam / AdamW (any case): zerompi's AdamW; any other optimizer is refused",
+    Key("optimizer.type", MAP, "Adam / AdamW (any case): zerompi's AdamW; SGD / Adagrad: torch's, over the "
+        "shard (optimizer.type sgd / adagrad); any other optimizer is refused",
         doc_default="none: the client's optimizer (here: --config's)"),
     Key("optimizer.params.lr", MAP, "optimizer.lr", 1e-3),
     Key("optimizer.params.betas", MAP, "optimizer.betas", (0.9, 0.999)),
@@ -118,6 +119,11 @@ _TABLE = [
         "decay (L2 in the gradient) is refused", True),
     Key("optimizer.params.torch_adam", MAP, "the weight_decay default (torch.optim.AdamW's 0.01); otherwise "
         "only the implementation", False),
+    Key("optimizer.params.momentum", MAP, "optimizer.momentum (SGD)", 0.0),
+    Key("optimizer.params.dampening", MAP, "optimizer.dampening (SGD)", 0.0),
+    Key("optimizer.params.nesterov", MAP, "optimizer.nesterov (SGD)", False),
+    Key("optimizer.params.lr_decay", MAP, "optimizer.lr_decay (Adagrad)", 0.0),
+    Key("optimizer.params.initial_accumulator_value", MAP, "optimizer.initial_accumulator_value (Adagrad)", 0.0),
     Key("optimizer.params.bias_correction", REFUSE, "Adam without bias correction; zerompi always corrects",
         True, allowed=(True,)),
     Key("optimizer.params.amsgrad", REFUSE, "AMSGrad is not implemented", False),

@@ -59,6 +59,13 @@ def effective(t: Translation, zero, train=None, dp: int | None = None) -> str:
     opt = (f"optimizer AdamW lr {o.lr:g}, betas ({o.betas[0]:g}, {o.betas[1]:g}), eps {o.eps:g}, weight_decay "
            f"{o.weight_decay:g}" + (" (biases and norms 0: the trainer's groups)" if train else "")
            + ", bias-corrected, decoupled" + ("" if t.optimizer else " (the run's: the file has no optimizer)"))
+    if o.type == "sgd":
+        opt = (f"optimizer SGD lr {o.lr:g}, momentum {o.momentum:g}, dampening {o.dampening:g}, nesterov "
+               f"{o.nesterov}, weight_decay {o.weight_decay:g} (torch.optim.SGD's update)")
+    elif o.type == "adagrad":
+        opt = (f"optimizer Adagrad lr {o.lr:g}, lr_decay {o.lr_decay:g}, initial_accumulator_value "
+               f"{o.initial_accumulator_value:g}, eps {o.eps:g}, weight_decay {o.weight_decay:g} "
+               "(torch.optim.Adagrad's update)")
     prec = (f"precision {zero.precision} (gradients reduced in {_dtype(zero, 'reduce_dtype')}, accumulated in "
             f"{_dtype(zero, 'grad_accum_dtype')}")
     if zero.precision == "fp16":

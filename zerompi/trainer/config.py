@@ -173,6 +173,9 @@ class TrainConfig:
             fail("val_fraction", self.val_fraction, "must be in [0, 1)")
         if self.eval_interval and self.val_fraction == 0:
             fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
+        if self.zero.optimizer.type != "adamw":
+            fail("zero.optimizer.type", self.zero.optimizer.type, "the trainer trains with AdamW (SGD and Adagrad "
+                 "run through zerompi.initialize)")
         if self.lr_schedule not in KINDS:
             fail("lr_schedule", self.lr_schedule, f"must be one of {', '.join(KINDS)}")
         if self.lr_schedule != "cosine" and self.warmup_steps < 2:

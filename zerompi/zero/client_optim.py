@@ -9,6 +9,7 @@ param groups); the engine's optimizer is zerompi's partitioned one (optim/base.p
   torch.optim.AdamW                      -> adamw (amsgrad, maximize refused)
   torch.optim.Adam                       -> adamw when weight_decay is 0 or decoupled_weight_decay
                                             (then the same update); L2 weight decay is refused
+  torch.optim.SGD, torch.optim.Adagrad   -> sgd, adagrad (optim/elementwise.py; maximize refused)
   anything else                          -> refused, by name (LBFGS, Adafactor, LAMB, LARS, ...:
                                             their update needs whole-tensor statistics or a
                                             closure; or zerompi does not implement it)
@@ -27,8 +28,9 @@ from typing import Any, Mapping
 import torch
 
 from ..config.errors import ConfigError
+from ..optim.adamw import KEYS_OF
 
-ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+KIND_OF = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Adagrad": "adagrad"}
 REFUSED = {"LBFGS": "needs a closure and whole-tensor line searches",
            "Adafactor": "factors the second moment over whole rows and columns of each tensor",
            "LAMB": "scales each tensor's update by its whole-tensor trust ratio",
@@ -82,18 +84,21 @@ def from_torch(model, cfg, optimizer, model_parameters=None):
     if getattr(optimizer, "_zerompi_engine", False) or hasattr(optimizer, "segments"):
         raise ValueError("optimizer= is already a zerompi engine's optimizer; pass a torch optimizer")
     d = optimizer.defaults
-    if name not in ("AdamW", "Adam"):
+    if name not in KIND_OF:
         _refuse(name)
+    kind = KIND_OF[name]
+    keys = KEYS_OF[kind]
     for flag in ("amsgrad", "maximize"):
         if d.get(flag):
-            raise ValueError(f"optimizer={name}({flag}=True): zerompi's AdamW has no {flag}")
+            raise ValueError(f"optimizer={name}({flag}=True): zerompi's {name} has no {flag}")
     if name == "Adam" and not d.get("decoupled_weight_decay", False) and any(
             g.get("weight_decay", 0) for g in optimizer.param_groups):
         raise ValueError("optimizer=Adam with weight_decay > 0 adds L2 decay to the gradient, which is not "
                          "AdamW's decoupled decay zerompi implements; use torch.optim.AdamW (or Adam with "
                          "decoupled_weight_decay=True, or weight_decay=0)")
-    opt_cfg = dataclasses.replace(cfg.optimizer, lr=_num(d["lr"]), betas=tuple(float(b) for b in d["betas"]),
-                                  eps=float(d["eps"]), weight_decay=float(d["weight_decay"]))
+    impl = cfg.optimizer.implementation if kind == "adamw" else "auto"
+    opt_cfg = dataclasses.replace(cfg.optimizer, type=kind, implementation=impl,
+                                  **{k: _hyper(k, d[k]) for k in keys})
     cfg = dataclasses.replace(cfg, optimizer=opt_cfg)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     covered = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -104,10 +109,16 @@ def from_torch(model, cfg, optimizer, model_parameters=None):
     groups, extras = [], []
     for g in optimizer.param_groups:
         groups.append({"params": [p for p in g["params"] if id(p) in trainable],
-                       **{k: (_num(g[k]) if k != "betas" else tuple(float(b) for b in g[k])) for k in ADAM_KEYS}})
-        extras.append({k: _num(v) for k, v in g.items() if k not in ADAM_KEYS and k != "params"
+                       **{k: _hyper(k, g[k]) for k in keys}})
+        extras.append({k: _num(v) for k, v in g.items() if k not in keys and k != "params"
                        and k not in d and isinstance(v, (int, float, torch.Tensor, tuple))})
     return cfg, groups, extras
+
+
+def _hyper(k: str, v):
+    if k == "betas":
+        return tuple(float(b) for b in v)
+    return bool(v) if k == "nesterov" else float(_num(v))
 
 
 def _num(v):
@@ -115,8 +126,8 @@ def _num(v):
 
 
 def _refuse(name: str) -> None:
-    why = REFUSED.get(name, "not an optimizer zerompi partitions (torch.optim.AdamW and Adam map onto "
-                            "zerompi's AdamW)")
+    why = REFUSED.get(name, "not an optimizer zerompi partitions (torch.optim.AdamW, Adam, SGD and "
+                            "Adagrad are)")
     raise ValueError(f"optimizer={name}: {why}; zerompi refuses it rather than train differently")
 
 
@@ -128,11 +139,13 @@ def attach(engine, lr_scheduler, user_optimizer=None, block: Mapping | None = No
             return None
         from ..optim.ds_schedules import from_block
         return from_block(opt, block)
+    if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
+        lr_scheduler = lr_scheduler(opt)  # a factory, as DeepSpeed calls one: on the engine's optimizer
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("lr_scheduler=ReduceLROnPlateau needs a metric at each step: build it on "
                          "engine.optimizer and call scheduler.step(metric) in your loop instead")
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        return lr_scheduler(opt)  # a factory, as DeepSpeed calls one: on the engine's optimizer
+    if not hasattr(lr_scheduler, "step"):
+        raise TypeError(f"lr_scheduler: a {type(lr_scheduler).__name__}, not a scheduler (or a factory of one)")
     _rebind(lr_scheduler, opt)
     return lr_scheduler
 
