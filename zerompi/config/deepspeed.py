@@ -27,11 +27,12 @@ from .zero import ZeroConfig
 ADAM = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names
 SCHEDULES = {"WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
                           "last_batch_iteration"),
+             "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                               "warmup_type", "last_batch_iteration"),
              "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
                                 "warmup_type", "last_batch_iteration")}
-_REFUSED_SCHEDULES = {"WarmupDecayLR": "linear decay to 0 after the warm-up; zerompi's schedules decay by cosine "
-                      "or not at all, so it cannot be mapped exactly",
-                      "OneCycle": "cyclic lr and momentum are not implemented",
+_REFUSED_SCHEDULES = {"OneCycle": "cyclic lr and momentum are not in the trainer (zerompi.initialize runs "
+                      "DeepSpeed's OneCycle)",
                       "LRRangeTest": "an lr range test is not a training schedule"}
 # Top-level keys that mark a dict as a DeepSpeed config (none is a zerompi key; "fp16"
 # and "optimizer" are both, so they mark only in DeepSpeed's shape).
@@ -157,7 +158,7 @@ def _check_types(ds: Mapping, trainer: bool) -> None:
                           else "missing: DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW, SGD, "
                           "Adagrad) or remove the block")
     sch = ds.get("scheduler")
-    known = SCHEDULES if trainer else (*SCHEDULES, "WarmupDecayLR", "OneCycle")  # initialize: ds_schedules.py
+    known = SCHEDULES if trainer else (*SCHEDULES, "OneCycle")  # initialize: optim/ds_schedules.py
     if isinstance(sch, Mapping) and sch.get("type") not in known and not _all_auto(sch):
         why = _REFUSED_SCHEDULES.get(sch.get("type"), "not a DeepSpeed schedule zerompi maps (WarmupLR and "
                                      "WarmupCosineLR with warmup_type linear are)")
@@ -278,13 +279,16 @@ def _clipping(ctx: Values, t: Translation) -> None:
 
 
 def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
-    """WarmupLR / WarmupCosineLR (linear warm-up) onto the trainer's deepspeed_* schedules
-    (zerompi/trainer/schedule.py); all-"auto" parameters: the trainer's own schedule."""
+    """WarmupLR / WarmupDecayLR / WarmupCosineLR onto the trainer's deepspeed_* schedules
+    (zerompi/trainer/schedule.py). "auto" parameters take the run's numbers, as the Hugging
+    Face integration fills them in (warmup_min_lr 0, warmup_max_lr lr, warmup_num_steps,
+    total_num_steps), and the block's type runs, as DeepSpeed builds it (with its default
+    warmup_type log when absent). zerompi.initialize: the block is built there."""
     params = [k for k in ctx.flat if k.startswith("scheduler.params.")]
     if "scheduler.type" not in ctx.flat and not params:
         return
     kind = ctx.get("scheduler.type", None)
-    if params and all(ctx.auto(k) for k in params):
+    if params and all(ctx.auto(k) for k in params) and not (trainer and kind in SCHEDULES):
         t.schedule = "auto"
         ctx.read.update(params)
         return
@@ -301,33 +305,34 @@ def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
         if k.rpartition(".")[2] not in SCHEDULES[kind]:
             raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")
     wt = ctx.get("scheduler.params.warmup_type")
-    if wt not in ("linear", AUTO):  # auto: the trainer's own warm-up, which is linear
-        raise ConfigError(ctx.name("scheduler.params.warmup_type"), f"{wt}" + ("" if ctx.given(
-            "scheduler.params.warmup_type") else " (DeepSpeed's default)"), "a logarithmic warm-up cannot be "
-            "mapped exactly onto zerompi's linear warm-up; set warmup_type to \"linear\" (a different schedule)")
+    if wt not in ("linear", "log", AUTO):  # auto: the trainer's own warm-up, which is linear
+        raise ConfigError(ctx.name("scheduler.params.warmup_type"), wt, "linear or log (DeepSpeed's default)")
     if ctx.number("scheduler.params.last_batch_iteration", low=-1, integer=True) != -1:
         raise ConfigError(ctx.name("scheduler.params.last_batch_iteration"), ctx.flat[
             "scheduler.params.last_batch_iteration"][1], "only -1 (start at the beginning) is supported")
     t.schedule = kind
     tr = t.trainer
+    tr["warmup_type"] = "linear" if wt == AUTO else wt
     w = run("warmup_steps") if ctx.auto("scheduler.params.warmup_num_steps") else \
         ctx.number("scheduler.params.warmup_num_steps", integer=True, low=1)
     tr["warmup_steps"] = max(2, int(w))  # DeepSpeed warms up over at least 2 steps
     opt_lr = t.zero.get("optimizer", {}).get("lr")
     peak = run("zero.optimizer.lr") if opt_lr is None or "zero.optimizer.lr" in run.cli else opt_lr
-    if kind == "WarmupLR":
-        tr["lr_schedule"] = "deepspeed_warmup"
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        tr["lr_schedule"] = "deepspeed_warmup" if kind == "WarmupLR" else "deepspeed_warmup_decay"
         tr["warmup_start_lr"] = 0.0 if ctx.auto("scheduler.params.warmup_min_lr") else \
             ctx.number("scheduler.params.warmup_min_lr")
-        if ctx.given("scheduler.params.warmup_max_lr"):  # the peak; absent: the optimizer's lr
-            t.zero.setdefault("optimizer", {})["lr"] = ctx.number("scheduler.params.warmup_max_lr")
+        # the peak; absent: WarmupLR the optimizer's lr, WarmupDecayLR DeepSpeed's 0.001; auto: the run's
+        if ctx.given("scheduler.params.warmup_max_lr") or (kind == "WarmupDecayLR" and not ctx.auto(
+                "scheduler.params.warmup_max_lr")):
+            t.zero.setdefault("optimizer", {})["lr"] = ctx.number("scheduler.params.warmup_max_lr", 0.001)
             t.lr_key = ctx.name("scheduler.params.warmup_max_lr")
+        if kind == "WarmupLR":
+            return
+        _total_steps(ctx, tr, kind)
         return
     tr["lr_schedule"] = "deepspeed_warmup_cosine"
-    if "scheduler.params.total_num_steps" not in ctx.flat:
-        raise ConfigError("scheduler.params.total_num_steps", None, "WarmupCosineLR needs it (DeepSpeed too)")
-    if not ctx.auto("scheduler.params.total_num_steps"):  # auto: the run's lr_decay_steps / max_steps
-        tr["lr_decay_steps"] = max(1, ctx.number("scheduler.params.total_num_steps", integer=True))
+    _total_steps(ctx, tr, kind)
     ratio = 0.0 if ctx.auto("scheduler.params.warmup_min_ratio") else ctx.number("scheduler.params.warmup_min_ratio")
     tr["warmup_start_lr"] = ratio * peak
     if not ctx.auto("scheduler.params.cos_min_ratio"):
@@ -336,6 +341,13 @@ def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
             raise ConfigError(ctx.name("scheduler.params.cos_min_ratio"), low, "must be <= 1 (a floor above the "
                               "peak is not a decay)")
         tr["min_lr"] = low * peak
+
+
+def _total_steps(ctx: Values, tr: dict, kind: str) -> None:
+    if "scheduler.params.total_num_steps" not in ctx.flat:
+        raise ConfigError("scheduler.params.total_num_steps", None, f"{kind} needs it (DeepSpeed too)")
+    if not ctx.auto("scheduler.params.total_num_steps"):  # auto: the run's lr_decay_steps / max_steps
+        tr["lr_decay_steps"] = max(1, ctx.number("scheduler.params.total_num_steps", integer=True))
 
 
 def _batch(ctx: Values, t: Translation, dp, run: Run) -> None:

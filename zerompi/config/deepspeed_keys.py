@@ -150,15 +150,14 @@ _TABLE = [
     # parameter with DeepSpeed's meaning); python -m zerompi.train maps it onto its lr_schedule --
     Key("scheduler.type", MAP, "zerompi.initialize: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle as "
         "DeepSpeed builds them (engine.lr_scheduler, stepped after each applied update). The trainer: "
-        "WarmupLR -> deepspeed_warmup, WarmupCosineLR -> deepspeed_warmup_cosine (warmup_type linear); all "
-        "params \"auto\": the trainer's own schedule; WarmupDecayLR and OneCycle refused there. LRRangeTest "
-        "refused", doc_default="none: constant lr"),
+        "WarmupLR -> deepspeed_warmup, WarmupDecayLR -> deepspeed_warmup_decay, WarmupCosineLR -> "
+        "deepspeed_warmup_cosine, \"auto\" params filled with the run's numbers (as the HF integration does); "
+        "OneCycle refused there. LRRangeTest refused", doc_default="none: constant lr"),
     Key("scheduler.params.warmup_min_lr", MAP, "WarmupLR/WarmupDecayLR's; trainer: warmup_start_lr", 0.0),
     Key("scheduler.params.warmup_max_lr", MAP, "WarmupLR/WarmupDecayLR's peak; trainer: optimizer.lr",
         doc_default="WarmupLR: the optimizer's lr; WarmupDecayLR: 0.001"),
     Key("scheduler.params.warmup_num_steps", MAP, "as DeepSpeed (at least 2); trainer: warmup_steps", 1000),
-    Key("scheduler.params.warmup_type", MAP, "log or linear (initialize); the trainer: linear only (log is "
-        "refused there)", "log"),
+    Key("scheduler.params.warmup_type", MAP, "log or linear; trainer: warmup_type", "log"),
     Key("scheduler.params.total_num_steps", MAP, "WarmupDecayLR/WarmupCosineLR's; trainer: lr_decay_steps",
         doc_default="required by WarmupDecayLR and WarmupCosineLR"),
     Key("scheduler.params.warmup_min_ratio", MAP, "WarmupCosineLR's; trainer: warmup_start_lr = ratio x lr", 0.0),

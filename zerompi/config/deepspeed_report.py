@@ -43,11 +43,15 @@ def _schedule(t: Translation, train) -> str:
             "zerompi.initialize, or set engine.param_groups' lr in your loop"
     lr, w, a, low = train.zero.optimizer.lr, train.warmup_steps, train.warmup_start_lr, train.min_lr
     end = train.lr_decay_steps or train.max_steps
+    shape = train.warmup_type
     if train.lr_schedule == "deepspeed_warmup":
-        return (f"WarmupLR, linear, by applied updates: {a:g} at updates 0 and 1, linear to {lr:g} at update "
+        return (f"WarmupLR, {shape} warm-up, by applied updates: {a:g} at updates 0 and 1, to {lr:g} at update "
                 f"{w + 1}, then constant")
+    if train.lr_schedule == "deepspeed_warmup_decay":
+        return (f"WarmupDecayLR, {shape} warm-up, by applied updates: {a:g} at updates 0 and 1, to {lr:g} at "
+                f"update {w + 1}, then linear decay to {a:g} at update {end + 1}")
     if train.lr_schedule == "deepspeed_warmup_cosine":
-        return (f"WarmupCosineLR, linear, by applied updates: 0 at update 0, from {a:g} at update 1 linearly towards "
+        return (f"WarmupCosineLR, {shape} warm-up, by applied updates: 0 at update 0, from {a:g} at update 1 towards "
                 f"{lr:g} over {w} updates, then cosine to {low:g} at update {end}")
     why = {"auto": "the scheduler's parameters are all \"auto\"", "none": "the file has no scheduler"}[t.schedule]
     return (f"the trainer's own ({why}): linear warm-up to {lr:g} over {w} steps, cosine to {low:g} at step {end}")
