@@ -126,3 +126,17 @@ def test_a_deepspeed_scheduler_block_becomes_engine_lr_scheduler():
     ds["scheduler"]["params"]["warmup_num_steps"] = "auto"
     with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps.*auto"):
         zerompi.initialize(Tiny(), ds)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
+    """SGD's momentum buffer sits where AdamW's exp_avg does: loading one's checkpoint into
+    the other's engine must fail, naming both, not train on with the wrong state."""
+    sgd = zerompi.initialize(Tiny(), CFG, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    _run(sgd, 1)
+    sgd.save_checkpoint(tmp_path / "sgd")
+    adamw = zerompi.initialize(Tiny(), CFG)
+    with pytest.raises(Exception, match="another optimizer.*adamw"):
+        adamw.load_checkpoint(tmp_path / "sgd")
+    again = zerompi.initialize(Tiny(), CFG, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    again.load_checkpoint(tmp_path / "sgd")
+    assert again.global_steps == 1 and again.optimizer.steps == sgd.optimizer.steps
