@@ -30,6 +30,7 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, dims: 
 
     # A DeepSpeed config's batch arithmetic is over the data-parallel ranks.
     cfg = load_config(config, dp_size=dims.dp_size if dims is not None else None)
+    runtime.startup.import_mpi(cfg.comm.startup_timeout_s)  # MPI_Init under the config's deadline
     return ZeroEngine(model, cfg, dims=dims, param_groups=param_groups)
 
 

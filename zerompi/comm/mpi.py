@@ -30,9 +30,9 @@ _OPS = ("sum", "max", "min", "lor")
 
 
 def _mpi():
-    from mpi4py import MPI
+    from ..runtime import mpi  # the first import starts MPI under the start-up deadline
 
-    return MPI
+    return mpi()
 
 
 _MPI_TYPES = None
