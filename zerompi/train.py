@@ -4,9 +4,19 @@ Workstation (2 ranks, the tiny model on the built-in corpus, a few minutes on a 
 
     mpiexec -n 2 python -m zerompi.train --config configs/tiny.toml
 
-Slurm (inside an sbatch script; one task per rank, or per GPU):
+Slurm (inside an sbatch script; one task per rank, or per GPU; slurm/*.sbatch do this):
 
-    srun python -m zerompi.train --config configs/small.toml --run_dir runs/$SLURM_JOB_ID
+    srun --mpi=pmi2 --kill-on-bad-exit=1 python -m zerompi.train --config configs/small.toml
+
+(--run_dir: the templates pass runs/$SLURM_JOB_NAME, so a requeued or resubmitted job
+resumes its run.)
+
+--mpi=pmi2 is what pip's MPICH speaks (a site MPI built with PMIx: --mpi=pmix); across
+nodes pip's MPICH can hang in MPI_Init under srun: start it with MPICH's own
+`mpiexec -bootstrap slurm -n $SLURM_NTASKS python -m zerompi.train ...` instead.
+--kill-on-bad-exit=1 ends every rank when one dies. MPI_Init has a deadline
+(ZEROMPI_STARTUP_TIMEOUT_S, else zero.comm.startup_timeout_s): past it, one line names
+the launcher and the MPI library seen, and the rank is killed (SIGKILL: 137 in a shell).
 
 Settings are TrainConfig fields (zerompi/config/train.py; `--help` lists them all):
 `--config FILE` (TOML or JSON), then `--key value` or `key=value` overrides, dotted for
@@ -22,14 +32,16 @@ Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs), or a resume
          or data set that does not fit (docs/reliability.md), or nodes that hold different
-         numbers of ranks (parallel/nodes.py)
+         numbers of ranks (parallel/nodes.py), or a launch of N tasks that MPI made N
+         worlds of 1 (srun --mpi=none, another MPI's mpiexec: runtime/startup.py)
     124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue
          the job, as slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch
          shell, which relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
     3    a collective wait passed zero.comm.timeout_s (the ranks that did not arrive named)
     4    diverged: zero.max_nonfinite_steps non-finite steps in a row (no checkpoint of them)
     5    run_dir is in use by another job (named)
-    128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint
+    128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint;
+         137 (SIGKILL) also when MPI did not start within its deadline (the line above it)
     1    anything else (one rank's exception aborts the whole job, see runtime/malloc.py)
 """
 from __future__ import annotations
