@@ -104,8 +104,9 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
         time.sleep(2.0)  # let rank 0 print before this rank's abort ends the job
         abort("", exc.exit_code)
     if getattr(exc, "rank_0_speaks", False):  # a bad config: ranks that load the same one raise it together
-        if rank not in ("", "[rank 0] "):
-            time.sleep(2.0)  # rank 0's abort ends this rank first when it raised too
+        if rank in ("", "[rank 0] "):
+            abort(f"zerompi: error: {exc}", 2)
+        time.sleep(2.0)  # rank 0's abort ends this rank first when it raised too
         abort(f"{rank}zerompi: error: {exc}", 2)
     code = 130 if exc_type is KeyboardInterrupt else 1
     if getattr(exc, "user_error", False):  # bad input (data.check.DataError): the message says it all
