@@ -1,11 +1,12 @@
 """runtime/startup.py in this process: the deadline's sources, the launch-mismatch line,
 and the watcher that ends a process stuck past its deadline (a stand-in for MPI_Init:
-a child blocked in C, here time.sleep, which Python's own signals would not interrupt
-under a handler that only sets a flag). The launches: tests/system/test_launch.py."""
+a child that sleeps 30 s with a SIGTERM handler that only sets a flag, as the train
+command's). The launches: tests/system/test_launch.py."""
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -68,10 +69,9 @@ def test_stall_line_names_launcher_variables_and_library():
 def _stuck(seconds, then_done: bool):
     """A process that starts a Guard, then blocks in C for 30 s (or calls done() first)."""
     code = textwrap.dedent(f"""
-        import importlib.util, signal, time
-        spec = importlib.util.spec_from_file_location("startup", {startup.__file__!r})  # without numpy & co
-        startup = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(startup)
+        import signal, sys, time
+        sys.path.insert(0, {str(Path(startup.__file__).parents[2])!r})
+        from zerompi.runtime import startup
         signal.signal(signal.SIGTERM, lambda *a: None)  # as the train command's stop handlers
         g = startup.Guard({seconds})
         if {then_done}:

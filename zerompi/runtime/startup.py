@@ -4,16 +4,16 @@ process a world of its own.
 MPI_Init runs inside `import mpi4py.MPI`, in C, holding the GIL: while it waits for a
 process manager that never answers (a PMI mismatch, a wedged `srun --mpi=pmi2` across
 nodes), no Python thread or signal handler of this process runs, and the job waits for
-its time limit. So the deadline is kept by a second process, started just before the
-import: a watcher (this file run as a script: stdlib only, no package import, exec'd, so
-it inherits neither threads nor signal handlers). The rank writes one byte to a pipe once
-MPI is up and the watcher exits; if the pipe stays silent past the deadline, the watcher
-prints one line (the launcher and MPI it saw, what to try) and SIGKILLs the rank. A rank
-that dies first closes the pipe, which also ends the watcher.
+its time limit. So the deadline is kept by a second process, forked just before the
+import: a watcher that only waits on a pipe (forked, not a new interpreter, whose start
+every rank of every job would pay). The rank writes one byte once MPI is up and the watcher
+exits; if the pipe stays silent past the deadline, the watcher prints one line (the
+launcher and MPI it saw, what to try) and SIGKILLs the rank. A rank that dies first
+closes the pipe, which also ends the watcher.
 
 Deadline: $ZEROMPI_STARTUP_TIMEOUT_S (the launch's word, known before any config is
 read), else `zero.comm.startup_timeout_s` of the config when the caller knows it (the
-train command parses its config before MPI starts; zerompi.initialize loads it first),
+train command reads that key before MPI starts; zerompi.initialize loads the config first),
 else that key's default. 0 = no guard.
 
 After MPI_Init: when the launcher says the job has N > 1 tasks (Slurm's step, PMI,
@@ -26,14 +26,11 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
+import warnings
 
-if __package__:  # zerompi.runtime.startup; the watcher runs this file alone, with the stdlib only
-    from .abort import JobError
-else:
-    JobError = Exception
+from .abort import JobError
 
 ENV_TIMEOUT = "ZEROMPI_STARTUP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1200.0    # = CommConfig.startup_timeout_s (tests/unit/test_startup.py checks)
@@ -41,7 +38,7 @@ QUIET_GRACE_S = 5.0           # ranks other than the launcher's 0 wait this long
 EXIT_USAGE = 2
 
 # What the launcher tells each process about the job's size (the first one set wins).
-SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 RANK_VARS = ("SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 SEEN_VARS = ("SLURM_MPI_TYPE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_STEP_NUM_NODES", "PMI_SIZE",
              "PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "PMIX_NAMESPACE", "OMPI_COMM_WORLD_SIZE",
@@ -125,26 +122,39 @@ class Guard:
     """A watcher process that ends this one if `done()` is not called within `seconds`."""
 
     def __init__(self, seconds: float):
-        self.seconds = seconds
-        r, self._w = os.pipe()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(r), str(os.getpid()), repr(seconds)],
-                pass_fds=(r,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
-        finally:
-            os.close(r)
+        r, w = os.pipe()
+        parent = os.getpid()
+        with warnings.catch_warnings():  # 3.12 warns of fork in a threaded process (the watchdog's
+            warnings.simplefilter("ignore", DeprecationWarning)  # thread): the child takes no lock
+            pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(w)
+                _as_watcher()
+                _watch(r, parent, seconds)
+            finally:
+                os._exit(0)
+        os.close(r)
+        self._w, self._pid = w, pid
 
     def done(self) -> None:
         try:
             os.write(self._w, b"x")
-        except OSError:
+        except OSError:  # the watcher is gone (a Ctrl-C reached the process group)
             pass
         os.close(self._w)
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # cannot happen with a live watcher; never leave one
-            self._proc.kill()
-            self._proc.wait()
+        os.waitpid(self._pid, 0)  # it exits as soon as it reads the byte
+
+
+def _as_watcher() -> None:
+    """The rank's signal handlers and wake-up fd are not the watcher's: the default
+    disposition (a TERM from the launcher ends it) and nothing written to the rank's fd."""
+    try:
+        signal.set_wakeup_fd(-1)
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+    except (ValueError, OSError):
+        pass
 
 
 def import_mpi(seconds: float | None = None):
@@ -152,8 +162,6 @@ def import_mpi(seconds: float | None = None):
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None:
         return MPI
-    import warnings
-
     t = timeout_s(seconds)
     guard = Guard(t) if t > 0 else None
     try:
@@ -216,7 +224,3 @@ def _watch(fd: int, pid: int, seconds: float) -> None:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
-
-
-if __name__ == "__main__":  # the watcher: startup.py FD PID SECONDS
-    _watch(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))
