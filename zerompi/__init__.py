@@ -25,7 +25,13 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, dims: 
     `dims` is the job's process grid (zerompi.parallel.ParallelDims); by default it is
     built from the config over COMM_WORLD. ZeRO partitions over `dims.dp`.
     `param_groups` are torch-style groups ({"params": [...], "weight_decay": 0.0, ...});
-    parameters not listed use the config's optimizer settings."""
+    parameters not listed use the config's optimizer settings.
+
+    A bad or unfitting config value raises ConfigError naming the key as `config` spells
+    it (`shard_group`, `comm.backend`), as deepspeed.initialize raises on a bad config;
+    uncaught, it ends the MPI job with one line from rank 0 and exit 2, not a traceback
+    per rank (runtime/abort.py). MPI starts here, under `comm.startup_timeout_s`
+    (runtime/startup.py), unless the program started it already."""
     from .zero.engine import ZeroEngine
 
     # A DeepSpeed config's batch arithmetic is over the data-parallel ranks.

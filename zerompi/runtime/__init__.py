@@ -16,4 +16,4 @@ from . import startup
 __all__ = ["JobError", "abort", "exit_together", "init", "install_abort_hook", "mpi", "one_line_job_errors",
            "seed_everything", "agree", "as_items", "check_same_everywhere", "first_difference", "merged",
            "raise_agreed", "raise_found", "same_everywhere", "MMAP_THRESHOLD", "HeapTrimmer", "fix_mmap_threshold",
-           "release_free_memory", "freeze_startup_heap", "pause_collector"]
+           "release_free_memory", "freeze_startup_heap", "pause_collector", "startup"]

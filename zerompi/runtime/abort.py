@@ -162,9 +162,11 @@ def init() -> Any:
     install_abort_hook()
     fix_mmap_threshold()
     world = mpi().COMM_WORLD
-    from .startup import check_world
+    from .startup import env_rank, mismatch
 
-    check_world(world.Get_size())  # a launch of N tasks that became N worlds of 1: LaunchMismatch
+    line = mismatch(world.Get_size())  # a launch of N tasks that became N worlds of 1
+    if line is not None:
+        raise LaunchMismatch(line, quiet=env_rank() not in (None, 0))
     return world
 
 
@@ -176,6 +178,17 @@ class JobError(Exception):
 
     exit_code = 1
     quiet = False  # True where another process (the launcher's rank 0) prints the line
+
+
+class LaunchMismatch(JobError):
+    """The launcher started N tasks and MPI gave this one a world of 1 (runtime/startup.py).
+    Every one-rank world raises it: only the launcher's rank 0 prints, exit 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, quiet: bool):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def one_line_job_errors(prog: str):

@@ -19,7 +19,7 @@ else that key's default. 0 = no guard.
 After MPI_Init: when the launcher says the job has N > 1 tasks (Slurm's step, PMI,
 Open MPI) and MPI gives a world of 1, the launcher and the MPI library do not speak the
 same PMI (`srun --mpi=none`, another MPI's mpiexec first on PATH): every process would
-train alone. `check_world` ends that with one line instead.
+train alone. runtime.init ends that with one line instead (abort.LaunchMismatch).
 """
 from __future__ import annotations
 
@@ -30,12 +30,9 @@ import sys
 import time
 import warnings
 
-from .abort import JobError
-
 ENV_TIMEOUT = "ZEROMPI_STARTUP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1200.0    # = CommConfig.startup_timeout_s (tests/unit/test_startup.py checks)
 QUIET_GRACE_S = 5.0           # ranks other than the launcher's 0 wait this long before they speak
-EXIT_USAGE = 2
 
 # What the launcher tells each process about the job's size (the first one set wins).
 SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -171,21 +168,10 @@ def import_mpi(seconds: float | None = None):
     finally:
         if guard is not None:
             guard.done()
-    for w in said:  # mpi4py's own "suspicious MPI execution environment": check_world's line says more
+    for w in said:  # mpi4py's own "suspicious MPI execution environment": runtime.init's line says more
         if mismatch(MPI.COMM_WORLD.Get_size()) is None or "suspicious MPI" not in str(w.message):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return MPI
-
-
-class LaunchMismatch(JobError):
-    """The launcher started N tasks and MPI gave this one a world of 1. Every one-rank
-    world raises it: only the launcher's rank 0 prints (`quiet` elsewhere), exit 2."""
-
-    exit_code = EXIT_USAGE
-
-    def __init__(self, message: str, quiet: bool):
-        super().__init__(message)
-        self.quiet = quiet
 
 
 def mismatch(world_size: int, env=os.environ) -> str | None:
@@ -198,13 +184,6 @@ def mismatch(world_size: int, env=os.environ) -> str | None:
             f"world of 1 rank (MPI library {mpi_library(None, env)}): the launcher and the MPI library do not "
             "speak the same process-management interface. Use srun --mpi=pmi2 for pip's MPICH (--mpi=pmix "
             "for a PMIx build), or the mpiexec of the MPI library above; --mpi=none never works")
-
-
-def check_world(world_size: int) -> None:
-    """Raise LaunchMismatch when the launch and MPI disagree about the job's size."""
-    line = mismatch(world_size)
-    if line is not None:
-        raise LaunchMismatch(line, quiet=env_rank() not in (None, 0))
 
 
 def _watch(fd: int, pid: int, seconds: float) -> None:
