@@ -186,3 +186,30 @@ def test_library_config_error_is_one_line_from_rank_0(tmp_path):
     assert "Traceback" not in res.stdout and "built" not in res.stdout, res.stdout[-3000:]
     needle = "zerompi: error: config key 'shard_group' = 3: 3 ranks per group must divide the data-parallel size 4"
     assert res.stdout.count("zerompi: error:") == 1 and needle in res.stdout, res.stdout[-3000:]
+
+
+MPI_NONE = """\
+#!/bin/bash
+#SBATCH --ntasks=2
+#SBATCH --time=2
+# usage: sbatch this.sbatch PYTHON RUN_DIR
+srun --mpi=none --kill-on-bad-exit=1 "$1" -m zerompi.train --data default --run_dir "$2"
+echo "srun exited with $?"
+"""
+
+
+def test_srun_mpi_none_is_named_under_a_real_slurm(slurm_cluster, tmp_path, no_torch):
+    """The real thing: `srun --mpi=none` with pip's MPICH gives two 1-rank worlds; the
+    step ends with the mismatch line once (SLURM_PROCID 0) and exit 2."""
+    from slurm_jobs import PY, _diag, _read, submit_mpi_job
+
+    job_id, state, log, _ = submit_mpi_job(slurm_cluster, tmp_path, "mpinone", MPI_NONE,
+                                           args=[PY, str(tmp_path / "r")], env=no_torch,
+                                           timeout=90)
+    text = _read(log)
+    assert "srun exited with 2" in text, _diag(slurm_cluster, job_id, log)
+    lines = [ln for ln in text.splitlines() if "zerompi.train: error" in ln]
+    assert len(lines) == 1, text
+    assert "the launcher started 2 tasks (SLURM_STEP_NUM_TASKS=2, launcher srun --mpi=none (no PMI or PMIx " \
+        "variables)) but MPI gave each a world of 1 rank" in lines[0], text
+    assert "Traceback" not in text and "in use by another job" not in text, text

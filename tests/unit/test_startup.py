@@ -34,7 +34,8 @@ def test_deadline_sources(monkeypatch):
 
 @pytest.mark.parametrize("env,want", [
     ({**SLURM_NONE, "SLURM_PROCID": "1"}, "srun --mpi=none"),
-    ({"SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "4"}, "srun (SLURM_MPI_TYPE unset"),
+    ({"SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "4"}, "srun --mpi=none (no PMI or PMIx variables)"),
+    ({"SLURM_STEP_ID": "3", "PMI_FD": "5"}, "srun (SLURM_MPI_TYPE unset)"),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"}, "Open MPI's mpirun"),
     ({"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "9"}, "mpiexec/hydra"),
     ({}, "no launcher"),

@@ -76,8 +76,12 @@ def timeout_s(config_value: float | None = None) -> float:
 def launcher(env=os.environ) -> str:
     """The launcher, as the environment shows it."""
     if env.get("SLURM_STEP_ID") is not None or env.get("SLURM_STEP_NUM_TASKS") is not None:
-        mpi = env.get("SLURM_MPI_TYPE")
-        return f"srun --mpi={mpi}" if mpi else "srun (SLURM_MPI_TYPE unset: the cluster's MpiDefault)"
+        mpi = env.get("SLURM_MPI_TYPE")  # unset under --mpi=none, which sets no PMI variables either
+        if mpi:
+            return f"srun --mpi={mpi}"
+        if not any(k.startswith(("PMI_", "PMIX_")) for k in env):
+            return "srun --mpi=none (no PMI or PMIx variables)"
+        return "srun (SLURM_MPI_TYPE unset)"
     if env.get("OMPI_COMM_WORLD_SIZE") is not None:
         return "Open MPI's mpirun"
     if env.get("PMIX_RANK") is not None:
