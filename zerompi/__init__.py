@@ -29,11 +29,18 @@ def initialize(model, config: "ZeroConfig | dict | str | None" = None, *, dims: 
     parameters not listed use the config's optimizer settings.
     `optimizer` (a torch optimizer, its class or a factory) and `lr_scheduler` (a torch
     scheduler or a factory(optimizer)) as deepspeed.initialize takes them: zero/client_optim.py;
-    the scheduler becomes engine.lr_scheduler, stepped after each applied update."""
+    the scheduler becomes engine.lr_scheduler, stepped after each applied update.
+
+    A bad or unfitting config value raises ConfigError naming the key as `config` spells
+    it (`shard_group`, `comm.backend`), as deepspeed.initialize raises on a bad config;
+    uncaught, it ends the MPI job with one line from rank 0 and exit 2, not a traceback
+    per rank (runtime/abort.py). MPI starts here, under `comm.startup_timeout_s`
+    (runtime/startup.py), unless the program started it already."""
     from .zero.client_optim import engine_with
 
     # A DeepSpeed config's batch arithmetic is over the data-parallel ranks.
     cfg = load_config(config, dp_size=dims.dp_size if dims is not None else None)
+    runtime.startup.import_mpi(cfg.comm.startup_timeout_s)  # MPI_Init under the config's deadline
     return engine_with(model, cfg, dims=dims, param_groups=param_groups, optimizer=optimizer,
                        lr_scheduler=lr_scheduler, model_parameters=model_parameters, config_source=config)
 

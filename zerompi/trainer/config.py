@@ -230,6 +230,24 @@ def from_argv(argv: Sequence[str]) -> TrainConfig:
     """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json`, then
     `--key value` / `key=value` overrides. Which side wins with a DeepSpeed file:
     config/deepspeed_report.RULE (docs/migrating-from-deepspeed.md), printed at start."""
+    files, rest = _split_argv(argv)
+    if files["deepspeed_config"]:
+        return _with_deepspeed(files["config"], files["deepspeed_config"], parse_overrides(rest))
+    return load(files["config"], parse_overrides(rest))
+
+
+def peek(argv: Sequence[str], key: str) -> Any:
+    """`key`'s value from --config and the command line, without checking the rest (the
+    MPI start-up deadline, read before MPI starts; a DeepSpeed file is not read)."""
+    files, rest = _split_argv(argv)
+    data = config.read_file(files["config"]) if files["config"] else {}
+    for k, v in parse_overrides(rest).items():
+        config.set_dotted(data, k, v)
+    return value_of(data, key)
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """({"config": FILE, "deepspeed_config": FILE}, the other arguments)."""
     argv = list(argv)
     files = {"config": None, "deepspeed_config": None}
     rest = []
@@ -247,9 +265,7 @@ def from_argv(argv: Sequence[str]) -> TrainConfig:
             continue
         rest.append(tok)
         i += 1
-    if files["deepspeed_config"]:
-        return _with_deepspeed(files["config"], files["deepspeed_config"], parse_overrides(rest))
-    return load(files["config"], parse_overrides(rest))
+    return files, rest
 
 
 def value_of(data: dict, key: str) -> Any:
