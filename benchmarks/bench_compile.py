@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -49,11 +50,12 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=5, help="steps left out of the steady tokens/s")
     ap.add_argument("--settings", default="1:0,2:3", help="ranks:stage pairs")
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--repeat", type=int, default=1, help="off/on pairs per setting, alternating")
     ap.add_argument("--timeout", type=float, default=1200)
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for setting in args.settings.split(","):
+        for setting in args.settings.split(",") * args.repeat:
             ranks, stage = map(int, setting.split(":"))
             off = one(ranks, stage, args, False, Path(tmp))
             on = one(ranks, stage, args, True, Path(tmp))
@@ -64,7 +66,7 @@ def main() -> None:
                   f"(x{results[-1]['speedup']:.2f}); first step {off['first_step_s']:.1f} s -> "
                   f"{on['first_step_s']:.1f} s; largest loss difference {loss_diff:.2e}", flush=True)
     out = {"what": "trainer tokens/s with per-block torch.compile (compile = true) and without",
-           "config": vars(args), "machine": machine_info(), "software": software_info(), "results": results}
+           "config": vars(args), "load_average_at_end": os.getloadavg(), "machine": machine_info(), "software": software_info(), "results": results}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

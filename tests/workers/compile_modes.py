@@ -33,8 +33,9 @@ def run(stage: int, mode: str, backend) -> dict:
             blk.compile(backend=backend)
     elif mode in ("whole", "warm"):
         model = torch.compile(model, backend=backend)
-        if mode == "warm":  # a forward before initialize: a graph traced without the engine's hooks
-            model(torch.zeros(1, 4, dtype=torch.long))
+        if mode == "warm":  # a forward before initialize, as in training: a graph without the engine's hooks
+            warm = torch.zeros(2, 16, dtype=torch.long)
+            model(warm, warm)
     engine = zerompi.initialize(model, {"stage": stage, "optimizer": {"lr": 1e-2}})
     g = torch.Generator().manual_seed(1 + MPI.COMM_WORLD.rank)
     losses, graphs, calls0 = [], [], backend.calls
