@@ -7,7 +7,9 @@ included) and the losses (compile must not change the training). Settings altern
 so that a change in the machine's load hits both. Writes one JSON (machine and software
 recorded); docs/performance.md reports it.
 
-    python benchmarks/bench_compile.py --out benchmarks/results/compile_vm_202611.json
+    python benchmarks/bench_compile.py --out benchmarks/results/compile_vm_202611.json --settings 2:3,1:0 --repeat 2
+
+--smoke: the tiny model, 3 steps, one rank, aot_eager (a check that the benchmark runs).
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_env import machine_info, software_info
-from launch import launch
+from harness import launch, record, write_json
 
 
 def one(ranks: int, stage: int, args, compile_on: bool, work: Path) -> dict:
@@ -52,8 +53,11 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--repeat", type=int, default=1, help="off/on pairs per setting, alternating")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    results = []
+    if args.smoke:
+        args.preset, args.batch, args.steps, args.skip, args.settings, args.backend = "tiny", 2, 3, 1, "1:0", "aot_eager"
+    results, head = [], record()
     with tempfile.TemporaryDirectory() as tmp:
         for setting in args.settings.split(",") * args.repeat:
             ranks, stage = map(int, setting.split(":"))
@@ -65,9 +69,9 @@ def main() -> None:
             print(f"N={ranks} stage {stage}: {off['tokens_per_s']:,.0f} -> {on['tokens_per_s']:,.0f} tokens/s "
                   f"(x{results[-1]['speedup']:.2f}); first step {off['first_step_s']:.1f} s -> "
                   f"{on['first_step_s']:.1f} s; largest loss difference {loss_diff:.2e}", flush=True)
-    out = {"what": "trainer tokens/s with per-block torch.compile (compile = true) and without",
-           "config": vars(args), "load_average_at_end": os.getloadavg(), "machine": machine_info(), "software": software_info(), "results": results}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, {"what": "trainer tokens/s with per-block torch.compile (compile = true) and without",
+                          **head, "config": vars(args), "load_average_at_end": os.getloadavg(),
+                          "results": results})
 
 
 if __name__ == "__main__":
