@@ -245,3 +245,12 @@ def test_a_sigkilled_driver_leaves_no_rank_running(tmp_path):
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+def test_compile(tmp_path):
+    out = tmp_path / "compile.json"
+    bench("bench_compile.py", "--smoke", "--out", out, timeout=300)
+    doc = json.loads(out.read_text())
+    (r,) = doc["results"]
+    assert r["on"]["compile"] and not r["off"]["compile"] and r["on"]["tokens_per_s"] > 0, r
+    assert r["max_loss_diff"] == 0.0, r  # aot_eager: the same ops as eager

@@ -7,6 +7,7 @@ a ZeroConfig, so `zero.stage=2` or `--zero.optimizer.lr 3e-4` work on the comman
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import typing
@@ -144,6 +145,21 @@ class TrainConfig:
     """auto | bar | lines | none. auto: rank 0 draws a bar with ETA and tokens/s when its
     stdout reaches a terminal (also through mpiexec), else prints plain lines with the
     time left (Slurm logs, pipes); see trainer/progress.py."""
+    compile: bool = False
+    """torch.compile each repeated block of the model (its transformer layers) in place,
+    before the engine wraps it: per-block compile, as torchtitan applies it; every stage.
+    The first steps are slow while the blocks compile. Speed: docs/performance.md."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend with compile = true: inductor (generated kernels; needs a C++
+    compiler on CPUs) or another of torch._dynamo.list_backends(), e.g. aot_eager (the
+    captured graphs run op by op: for checking what is captured)."""
+    tensorboard: bool = False
+    """Rank 0 also writes metrics.jsonl's scalars as TensorBoard event files in
+    run_dir/tensorboard (needs the tensorboard package: pip install 'zerompi[logging]')."""
+    wandb: bool = False
+    """Rank 0 also logs metrics.jsonl's scalars to Weights & Biases (needs the wandb package);
+    wandb's own variables apply: WANDB_PROJECT (default zerompi), WANDB_MODE=offline (no
+    network: the run is kept under run_dir/wandb for `wandb sync`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
@@ -203,6 +219,14 @@ class TrainConfig:
             fail("peak_flops", self.peak_flops, "must be >= 0")
         if not self.data:
             fail("data", self.data, "must name a token source")
+        if self.compile and self.zero.tensor_parallel_size > 1:
+            fail("compile", True, "is not supported with zero.tensor_parallel_size > 1 yet (untested)")
+        if not self.compile_backend.strip():
+            fail("compile_backend", self.compile_backend, "must name a torch.compile backend")
+        for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, key) and importlib.util.find_spec(package) is None:
+                fail(key, True, f"needs the {package} package: pip install {package} "
+                     "(or pip install 'zerompi[logging]')")
 
     @property
     def seq_len(self) -> int:

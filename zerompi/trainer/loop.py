@@ -35,6 +35,7 @@ from ..runtime.console import say
 from ..runtime.fileio import atomic_write
 from .checkpoints import (TrainCheckpoints, agreed_data_state, check_architecture_first, check_train_changes,
                           model_state)
+from .compiling import compile_blocks
 from .progress import Progress, batch_note, finish_message
 from .schedule import lr_at, position
 
@@ -176,6 +177,8 @@ def run(cfg, nodes) -> int:
 
         model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
     model.to(device)
+    if cfg.compile:  # per block, before the engine's hooks exist (trainer/compiling.py)
+        compile_blocks(model, cfg.compile_backend)
     # Biases and norm weights get no weight decay (the usual GPT recipe).
     groups = decay_groups(model, cfg.zero.optimizer.weight_decay)
     engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)
@@ -212,6 +215,7 @@ def run(cfg, nodes) -> int:
              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
              + f", ZeRO stage {cfg.zero.stage} "
              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
+             + (f"blocks compiled ({cfg.compile_backend}), " if cfg.compile else "") +
              f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
              + (f"; epoch order: {train_data.num_windows():,} windows, {train_data.num_windows() / B:.1f} steps "
                 "per epoch" if cfg.data_order == "epoch" else "")

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.malloc import HeapTrimmer
-from . import flat, gather_pool, units as units_mod
+from . import compiled, flat, gather_pool, units as units_mod
 from .init_context import adopt
 from .rounds import Rounds
 from .params import Plan, keep_changes
@@ -57,7 +57,6 @@ class _Unit:
     @property
     def size(self) -> int:
         return self.hi - self.lo
-
 
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
@@ -151,6 +150,7 @@ class PartitionedParams:
         if self.resident:
             self.serve = None  # nothing to serve while the reducer waits
             return
+        compiled.before_hooks()  # no graph traced without these hooks may run (zero/compiled.py)
         for u in self.units:
             for j, root in enumerate(u.roots):
                 self._hooks.append(root.register_forward_pre_hook(weakly(self, "_pre_forward", u.idx)))
