@@ -32,7 +32,9 @@ def _train(tmp_path, name, *args):
 
     corpus = default_corpus(tmp_path / "cache", max_bytes=100_000)
     run = tmp_path / name
-    run_mpi(2, ["-m", "zerompi.train", "--data", str(corpus), "--run_dir", str(run), "--block_size", str(T),
+    # random windows: _batches rebuilds them with TokenSampler.global_batch
+    run_mpi(2, ["-m", "zerompi.train", "--data", str(corpus), "--data_order", "random", "--run_dir", str(run),
+                "--block_size", str(T),
                 "--global_batch", str(B), "--max_steps", str(STEPS), "--eval_interval", "0", "--warmup_steps", "0",
                 "--zero.optimizer.lr", str(LR), "--min_lr", str(LR), "--zero.optimizer.weight_decay", "0",
                 "--progress", "none", "--threads", "1", *args], module=False, timeout=150)

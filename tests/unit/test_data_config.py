@@ -11,7 +11,7 @@ def test_data_keys():
                 "doc_mask": True})
     assert (cfg.data, cfg.data_val, cfg.data_dtype, cfg.data_order, cfg.doc_mask) == \
         ("shards/", "val/", "uint32", "epoch", True)
-    assert load({}, ["data=x.bin"]).data_order == "random"  # today's behaviour is the default
+    assert load({}, ["data=x.bin"]).data_order == "epoch"  # epochs by default; random windows on request
 
 
 @pytest.mark.parametrize("source, overrides, key, needle", [

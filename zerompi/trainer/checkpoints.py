@@ -115,7 +115,8 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
     for k, a, b in compare(client.get("config", {}), config, SCHEDULE):
         say(f"schedule changed since the checkpoint: {k} {a!r} -> {b!r}; the learning rate "
             f"follows the new schedule from step {client.get('step')}", rank=world.rank)
-    changed = compare(client.get("data", {}), data, DATA)
+    # checkpoints from before data_order existed were trained in random order
+    changed = compare({"order": "random", **client.get("data", {})}, data, DATA)
     if changed:
         say("WARNING: resuming with different " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in changed)
             + " than the checkpoint: the data order will not match an uninterrupted run", rank=world.rank)

@@ -70,11 +70,11 @@ class TrainConfig:
     data_dtype: str = ""
     """uint8 | uint16 | uint32 | int32: what a headerless token file (no header, no .json
     sidecar) holds. Such a file is refused without it."""
-    data_order: str = "random"
-    """random | epoch. random: each step draws its windows at random (with replacement),
-    seeded by (seed, step). epoch: the non-overlapping windows in epochs without
+    data_order: str = "epoch"
+    """epoch | random. epoch (the default): the non-overlapping windows in epochs without
     replacement, in a seeded order independent of the world size; a resumed run continues
-    at the checkpoint's position (data/epoch.py)."""
+    at the checkpoint's position (data/epoch.py). random: each step draws its windows at
+    random (with replacement), seeded by (seed, step)."""
     doc_mask: bool = False
     """No attention across document boundaries: the model gets doc_ids (needs data that
     records its documents: prepare's shards, Megatron .bin+.idx)."""
