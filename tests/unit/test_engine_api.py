@@ -195,3 +195,14 @@ def test_loader_position_rides_in_the_engines_checkpoint(tmp_path):
     assert engine2.load_checkpoint(tmp_path) == {"mine": 1}
     assert (loader2.epoch, loader2.samples) == (0, 3)
     assert _taken([loader2]) == [list(next(it).tolist()) + sum((b.tolist() for b in it), [])]
+
+
+def test_deepspeed_scheduler_block_is_refused_by_name_until_mapped():
+    """A DeepSpeedExamples config with a scheduler block: one error naming it (the
+    optimizer lane maps these blocks; this test changes with it)."""
+    from zerompi.config import ConfigError
+
+    model = _gpt()
+    ds = dict(DS, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}})
+    with pytest.raises(ConfigError, match="scheduler.type"):
+        zerompi.initialize(model=model, model_parameters=model.parameters(), config=ds, dist_init_required=False)
