@@ -1,4 +1,4 @@
-"""Train a GPT with ZeRO over MPI: `python -m zerompi.train` (the run itself: train_loop.py).
+"""Train a GPT with ZeRO over MPI: `python -m zerompi.train` (the run itself: trainer/loop.py).
 
 Workstation (2 ranks, the tiny model on the built-in corpus, a few minutes on a laptop):
 
@@ -8,7 +8,7 @@ Slurm (inside an sbatch script; one task per rank, or per GPU):
 
     srun python -m zerompi.train --config configs/small.toml --run_dir runs/$SLURM_JOB_ID
 
-Settings are TrainConfig fields (zerompi/config/train.py; `--help` lists them all):
+Settings are TrainConfig fields (zerompi/trainer/config.py; `--help` lists them all):
 `--config FILE` (TOML or JSON), then `--key value` or `key=value` overrides, dotted for
 nested tables: `--max_steps 50 zero.stage=2 --zero.optimizer.lr 3e-4`. A DeepSpeed
 config works too: `--deepspeed_config ds_config.json` (docs/migrating-from-deepspeed.md).
@@ -30,7 +30,7 @@ Exit codes:
     4    diverged: zero.max_nonfinite_steps non-finite steps in a row (no checkpoint of them)
     5    run_dir is in use by another job (named)
     128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint
-    1    anything else (one rank's exception aborts the whole job, see runtime/malloc.py)
+    1    anything else (one rank's exception aborts the whole job, see runtime/abort.py)
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import sys
 
 from . import runtime
 from .config import ConfigError, to_dict
-from .config import train as train_config
+from .trainer import config as train_config
 from .parallel.nodes import discover as discover_nodes
 from .runtime import pygc, watchdog
 from .runtime.agree import ObjectComm
@@ -121,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if _COMMAND:
         pygc.pause_collector()  # import torch runs ~370 collections otherwise
-    from . import train_loop  # torch, the model, the engine
+    from .trainer import loop  # torch, the model, the engine
 
     if _COMMAND:
         runtime.freeze_startup_heap()  # what the imports built, out of the collector's view
     cfg = _agreed_device(cfg, setup)
     if cfg is None:
         return EXIT_USAGE
-    return train_loop.run(cfg, nodes)
+    return loop.run(cfg, nodes)
 
 
 if __name__ == "__main__":

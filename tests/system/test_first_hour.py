@@ -113,7 +113,7 @@ def _under_pty(cmd, timeout=90):
 
 def test_terminal_detection_sees_through_mpiexec():
     # one write(2) per rank (print may split it), so two ranks' lines cannot interleave
-    probe = ["-c", "import os; from zerompi.progress import watching_terminal as w; "
+    probe = ["-c", "import os; from zerompi.trainer.progress import watching_terminal as w; "
                    "os.write(1, f'TTY {w()}\\n'.encode())"]
     rc, out = _under_pty([sys.executable] + probe)
     assert "TTY True" in out
@@ -175,7 +175,7 @@ def test_help_shows_the_batch_shell_signal_the_templates_use():
 
 
 def test_batch_note():
-    from zerompi.progress import batch_note
+    from zerompi.trainer.progress import batch_note
 
     assert batch_note(8, 2, 2) is None and batch_note(12, 1, 3) is None
     assert "(2 to 3 rows per rank" in batch_note(8, 1, 3) and "multiple of 3" in batch_note(8, 1, 3)

@@ -24,7 +24,7 @@ def test_config_validates_and_loads_from_toml_and_overrides():
     with pytest.raises(ConfigError) as e:
         load({"activation_checkpointing": {"partition_activation": True, "enabled": True}})
     assert e.value.key == "activation_checkpointing.partition_activation"
-    from zerompi.config.train import TrainConfig
+    from zerompi.trainer.config import TrainConfig
 
     tc = load({"zero": {"activation_checkpointing": {"enabled": True}}}, ["zero.activation_checkpointing.partition=1"],
               cls=TrainConfig)

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from zerompi import config as C
-from zerompi.config import train as train_config
+from zerompi.trainer import config as train_config
 from zerompi.config import ZeroConfig, load, parse_overrides, to_dict
-from zerompi.config.train import ModelConfig, TrainConfig
+from zerompi.trainer.config import ModelConfig, TrainConfig
 
 
 def test_defaults():

@@ -12,8 +12,8 @@ import pytest
 from ds_schedulers import DeepSpeedScheduler
 from zerompi.config import ConfigError
 from zerompi.config import deepspeed
-from zerompi.config.train import TrainConfig, from_argv
-from zerompi.lr_schedule import lr_at, position
+from zerompi.trainer.config import TrainConfig, from_argv
+from zerompi.trainer.schedule import lr_at, position
 
 RUN = """
 global_batch = 12

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zerompi import train
-from zerompi.config import train as train_config
+from zerompi.trainer import config as train_config
 
 
 class TwoRanks:

@@ -14,8 +14,8 @@
 - The optimizer hyper-parameters the checkpoint brings (betas, eps, weight_decay per
   parameter group) are compared with the config's: a difference is an error unless
   `override_optimizer`, which applies the config's values and logs them.
-- `compare(saved, now)` pairs give the caller's own checks: architecture keys (error),
-  schedule and other keys (logged).
+The trainer's own checks of what changed since the save (architecture, schedule, data)
+are zerompi/trainer/checkpoints.py's.
 """
 from __future__ import annotations
 
@@ -143,70 +143,3 @@ def _check_optimizer(engine, world, wanted: list[dict], override: bool) -> None:
     for g, w in zip(engine.param_groups, wanted):
         g.update({k: (tuple(w[k]) if k == "betas" else w[k]) for k in HYPER})
     _say(world, f"override_optimizer: using the config's optimizer hyper-parameters: {text}")
-
-
-def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
-    """(key, saved value, current value) for each of `keys` (dotted) that differs;
-    keys absent from the saved dict (older checkpoints) are skipped."""
-    out = []
-    for key in keys:
-        a, b, ok = saved, now, True
-        for part in key.split("."):
-            if not (isinstance(a, dict) and part in a):
-                ok = False
-                break
-            a, b = a[part], b[part]
-        if ok and a != b:
-            out.append((key, a, b))
-    return out
-
-
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")
-SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
-            "zero.optimizer.lr")
-DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
-
-
-def check_train_changes(world, client: dict | None, config: dict, model: dict, data: dict,
-                        counts: dict) -> None:
-    """`python -m zerompi.train`'s start checks (collective): the per-step counts that
-    drive collectives (`counts`, plus the start step) agree across ranks; against what
-    save() stored, another architecture is an error naming the key, schedule and data
-    changes are logged."""
-    counts = dict(counts, start_step=int(client["step"]) if client else 0)
-    differ = runtime.same_everywhere(world, counts, "step plan")
-    if differ:
-        raise ResumeError(differ[0])
-    if not client:
-        return
-    arch = compare(client.get("model", {}), model, ARCHITECTURE)
-    if arch:
-        raise ResumeError("the checkpoint holds another model architecture: " + "; ".join(
-            f"model {k}: checkpoint {a!r}, config {b!r}" for k, a, b in arch)
-            + " (same parameter shapes do not make the same model); use another --run_dir")
-    for k, a, b in compare(client.get("config", {}), config, SCHEDULE):
-        _say(world, f"schedule changed since the checkpoint: {k} {a!r} -> {b!r}; the learning rate "
-                    f"follows the new schedule from step {client.get('step')}")
-    changed = compare(client.get("data", {}), data, DATA)
-    if changed:
-        _say(world, "WARNING: resuming with different " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in changed)
-             + " than the checkpoint: the data order will not match an uninterrupted run")
-
-
-def model_state(gpt_cfg) -> dict:
-    """The train CLI's architecture record (saved in checkpoints)."""
-    return {k: getattr(gpt_cfg, k) for k in ARCHITECTURE}
-
-
-def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
-    """What the data order depends on besides the step (saved in checkpoints, compared on
-    resume), after checking that every rank reads the same tokens (collective)."""
-    from ..data import fingerprint
-
-    state = {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch,
-             "block_size": cfg.seq_len, "fingerprint": fingerprint(train_tokens)}
-    differ = runtime.same_everywhere(world, {"train": state["fingerprint"], "val": fingerprint(val_tokens)},
-                                     "data set")
-    if differ:
-        raise ResumeError(differ[0] + f" (--data {cfg.data} must be the same tokens on every rank)")
-    return state

@@ -1,9 +1,7 @@
-"""Configuration: ZeroConfig and its sections (zero.py), the trainer's TrainConfig
-(train.py), loading dicts / JSON / TOML / overrides (loading.py), DeepSpeed JSON read as
-DeepSpeed means it (deepspeed.py, by the one key table in deepspeed_keys.py), and the one
-error type naming the dotted key (errors.py).
-
-`zerompi.config.X` keeps every name it had when config was one module."""
+"""Configuration: ZeroConfig and its sections (zero.py), loading dicts / JSON / TOML /
+overrides (loading.py), DeepSpeed JSON read as DeepSpeed means it (deepspeed.py, by the
+one key table in deepspeed_keys.py), and the one error type naming the dotted key
+(errors.py). The trainer's TrainConfig builds on these: zerompi/trainer/config.py."""
 from .errors import ConfigError, fail
 from .loading import load, parse_overrides, read_file, to_dict
 from .zero import (PRECISIONS, ActivationCheckpointingConfig, CommConfig, LossScaleConfig,

@@ -268,7 +268,7 @@ def _clipping(ctx: Values, t: Translation) -> None:
 
 def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
     """WarmupLR / WarmupCosineLR (linear warm-up) onto the trainer's deepspeed_* schedules
-    (zerompi/lr_schedule.py); all-"auto" parameters: the trainer's own schedule."""
+    (zerompi/trainer/schedule.py); all-"auto" parameters: the trainer's own schedule."""
     params = [k for k in ctx.flat if k.startswith("scheduler.params.")]
     if "scheduler.type" not in ctx.flat and not params:
         return

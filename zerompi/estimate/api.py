@@ -7,7 +7,7 @@
     api.dry_run("gpt-1t", dps=[4096])                    # the engine's real layout at N ranks
     api.size("gpt-7.5b", dps=[1024], stages=[3], ranks_per_node=8, link="ndr-ib")  # + across nodes
 
-`model` is a preset name (models.ALL_SHAPES), a zerompi.config.train TrainConfig, a
+`model` is a preset name (models.ALL_SHAPES), a zerompi.trainer.config TrainConfig, a
 TOML/JSON path of one, or a models.ModelSpec.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import resource
 import time
 from typing import Sequence
 
-from ..config import train as train_config
+from ..trainer import config as train_config
 from ..config import ZeroConfig
 from ..zero.buckets import auto_elem_bytes, bucket_policy
 from ..comm import cost_model

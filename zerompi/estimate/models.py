@@ -71,7 +71,7 @@ def from_params(psi: float, seq_len: int = 0) -> ModelSpec:
 
 
 def from_train_config(tc) -> ModelSpec:
-    """The model of a zerompi.config.train.TrainConfig (its preset/shape and block_size)."""
+    """The model of a zerompi.trainer.config.TrainConfig (its preset/shape and block_size)."""
     cfg = tc.model.gpt_config()
     return ModelSpec(f"{tc.model.preset} (from config)", count_params(cfg), cfg, tc.seq_len)
 

@@ -1,6 +1,6 @@
 """The one way a job prints a line: from one rank (rank 0 of the group that decides, or
 a node's first rank), prefixed with the program's name, flushed; notices and errors to
-stderr, information to stdout. Progress bars and metrics are progress.py's."""
+stderr, information to stdout. Progress bars and metrics are trainer/progress.py's."""
 from __future__ import annotations
 
 import sys

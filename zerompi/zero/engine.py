@@ -22,11 +22,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from .. import config as config_mod
-from .. import runtime
+from .. import config as config_mod, runtime
 from ..runtime import watchdog
 from ..config import ZeroConfig
-from ..optim import build_groups, build_segments
+from ..optim import build_groups, build_segments, schedulers
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
 from . import build, calls, grads, load_full, outputs, state_io, step_coef
@@ -43,6 +42,7 @@ class ZeroEngine(calls.EngineFace):
     zero/calls.py): __call__, backward, step, full_state_dict, gathered, load_full_state_dict,
     save_checkpoint, load_checkpoint, full_grads."""
 
+    lr_scheduler = None  # a torch scheduler stepped after each applied update (zerompi.initialize)
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
@@ -68,7 +68,6 @@ class ZeroEngine(calls.EngineFace):
         self.param_names = [n for n, _ in plan.order]
         self.params = [p for _, p in plan.order]
         groups, owner = build_groups(model, cfg.optimizer, param_groups)
-        self.param_groups = groups
         group_of = [owner.get(id(p), 0) for p in self.params]
 
         # sync: one pickled allgather at set-up, so diverging ranks fail here, named
@@ -88,8 +87,8 @@ class ZeroEngine(calls.EngineFace):
         ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
-        self.optimizer = build.optimizer(build_segments(layout, own, group_of), self.state, groups,
-                                         len(self.params), cfg.optimizer.implementation, (cfg, dims))
+        self.optimizer = build.optimizer(build_segments(layout, own, group_of), self.state, groups, self.params,
+                                         group_of, cfg.optimizer.implementation, (cfg, dims), bool(param_groups))
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
@@ -118,6 +117,8 @@ class ZeroEngine(calls.EngineFace):
         self._calls = calls.call_comm(dims)  # collective: the call checks' own communicator
 
     # ------------------------------------------------------------------ training API
+    param_groups = property(lambda self: self.optimizer.param_groups, doc="torch-style groups (schedulers write lr)")
+
     # counters a device-decided step changes once read: each read settles it (zero/step_coef.py)
     @property
     def global_steps(self) -> int:
@@ -255,8 +256,7 @@ class ZeroEngine(calls.EngineFace):
             if issued:
                 self.optimizer.uncount_steps(p.used)
             return False
-        self._last_grad_norm = norm
-        return True
+        return schedulers.applied(self, norm, issued)  # engine.lr_scheduler steps after the update
 
     offload_phases = property(lambda self: self.offload.phases() if self.offload is not None else {},
                               doc="The last update's phases, threads, bytes (zero/offload.py).")
@@ -295,6 +295,7 @@ class ZeroEngine(calls.EngineFace):
         return sumsq, [v > 0 for v in vals[1:]]
 
     def _zero_grads(self) -> None:
+        schedulers.after_update(self)  # the boundary's update is done (or was skipped)
         self.reducer.used = [0.0] * len(self.params)
         self.state.zero_grads()
         if self.reducer.attaches:

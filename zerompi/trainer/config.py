@@ -1,6 +1,6 @@
 """TrainConfig: the typed, frozen configuration of `python -m zerompi.train`.
 
-Same machinery as ZeroConfig (config/zero.py): a TOML/JSON file plus dotted
+Same machinery as ZeroConfig (zerompi/config/zero.py): a TOML/JSON file plus dotted
 overrides, unknown keys and bad values fail naming the key. The nested `zero` table is
 a ZeroConfig, so `zero.stage=2` or `--zero.optimizer.lr 3e-4` work on the command line.
 """
@@ -13,12 +13,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..lr_schedule import KINDS
+from ..config import loading as config
+from ..config.errors import fail
+from ..config.loading import parse_overrides
+from ..config.zero import ZeroConfig
 from ..models.gpt_config import PRESETS
-from . import loading as config
-from .errors import fail
-from .loading import parse_overrides
-from .zero import ZeroConfig
+from .schedule import KINDS
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class TrainConfig:
     """cosine | deepspeed_warmup | deepspeed_warmup_cosine. cosine: linear warm-up over
     warmup_steps, cosine decay to min_lr at lr_decay_steps. The deepspeed_* ones are
     DeepSpeed's WarmupLR / WarmupCosineLR (linear warm-up) exactly, counted in applied
-    updates as DeepSpeed counts them; --deepspeed_config maps onto them (zerompi/lr_schedule.py)."""
+    updates as DeepSpeed counts them; --deepspeed_config maps onto them (trainer/schedule.py)."""
     warmup_steps: int = 100
     """Linear LR warm-up from 0 (deepspeed_*: from warmup_start_lr) to zero.optimizer.lr over this many steps."""
     warmup_start_lr: float = 0.0
@@ -151,7 +151,7 @@ class TrainConfig:
     progress: str = "auto"
     """auto | bar | lines | none. auto: rank 0 draws a bar with ETA and tokens/s when its
     stdout reaches a terminal (also through mpiexec), else prints plain lines with the
-    time left (Slurm logs, pipes); see zerompi/progress.py."""
+    time left (Slurm logs, pipes); see trainer/progress.py."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
@@ -256,9 +256,9 @@ def _show(v: Any) -> str:
 def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
     """The rule (deepspeed_report.RULE): --config, then what the DeepSpeed file decides
     (DeepSpeed's defaults included), then the command line; said on rank 0 at start."""
-    from . import deepspeed
-    from .deepspeed_report import RULE, announce, effective
-    from .errors import ConfigError
+    from ..config import deepspeed
+    from ..config.deepspeed_report import RULE, announce, effective
+    from ..config.errors import ConfigError
 
     base = config.read_file(config_path) if config_path else {}
     run_data = json.loads(json.dumps(base))

@@ -1,5 +1,5 @@
-"""The run behind `python -m zerompi.train` (train.py): the process grid, data, model,
-engine, resume and the training loop, once train.py has agreed the config and the node
+"""The run behind `python -m zerompi.train` (zerompi/train.py): the process grid, data,
+model, engine, resume and the training loop, once train.py has agreed the config and the node
 layout. Importing this imports torch (~1.2 CPU-s a rank), which train.py does only then.
 
 run() returns the command's exit code (train.py lists them) or raises a JobError that
@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,25 +20,44 @@ import torch
 
 import zerompi
 
-from .runtime import rundir, watchdog
-from . import runtime
-from .checkpoint.resume import agreed_data_state, check_train_changes, model_state, resume
-from .checkpoint.trainer import TrainCheckpoints
-from .config import to_dict
-from .data import TokenSampler, default_corpus, split_tokens
-from .data.check import CheckedSampler, open_agreed
-from .runtime.console import say
-from .runtime.fileio import atomic_write
-from .models.gpt import GPT
-from .optim import decay_groups
-from .parallel.dims import ParallelDims
-from .lr_schedule import lr_at, position
+from .. import runtime
+from ..checkpoint.resume import resume
+from ..config import to_dict
+from ..data import TokenSampler, default_corpus, split_tokens
+from ..data.check import CheckedSampler, open_agreed
+from ..models.gpt import GPT
+from ..optim import decay_groups
+from ..parallel.dims import ParallelDims
+from ..runtime import rundir, watchdog
+from ..runtime.console import say
+from ..runtime.fileio import atomic_write
+from .checkpoints import TrainCheckpoints, agreed_data_state, check_train_changes, model_state
 from .progress import Progress, batch_note, finish_message
+from .schedule import lr_at, position
 
 # train.py's (its docstring lists every exit code): repeated, not imported, so that
 # train.py can import this module late without an import cycle
 EXIT_OK, EXIT_USAGE, EXIT_STOPPED = 0, 2, 124
 PROG = "zerompi.train"
+
+
+@dataclass
+class Run:
+    """What the training loop works with, built once by run()."""
+    cfg: object                 # the agreed TrainConfig
+    engine: object
+    dims: ParallelDims
+    device: torch.device
+    train_data: CheckedSampler
+    val_data: CheckedSampler | None
+    data_state: dict            # what the data order depends on (saved, compared on resume)
+    model_state: dict           # the architecture record (saved, compared on resume)
+    progress: Progress
+    checkpoints: TrainCheckpoints
+    ckpt_dir: Path
+    start_step: int
+    flops_per_token: float      # training FLOPs per token at the sequence length used
+    peak: float                 # peak FLOP/s per rank that MFU is measured against
 
 
 def _rss_bytes() -> int:
@@ -140,7 +160,7 @@ def run(cfg, nodes) -> int:
     model = GPT(gpt_cfg)
     n_params, n_total = model.num_params(non_embedding=True), model.num_params()  # before any tp split
     if dims.tp_size > 1:
-        from .parallel.parallelize import parallelize
+        from ..parallel.parallelize import parallelize
 
         model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
     model.to(device)
@@ -189,8 +209,8 @@ def run(cfg, nodes) -> int:
         # The steps raise a JobError (a diverged run) on every rank together: the ranks still
         # talk, so the background save in flight (of a good step) is finished and published.
         # Any other exception ends the job without a collective; that save is never published.
-        code = _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, progress,
-                     checkpoints, ckpt_dir, start_step, flops_per_token, peak)
+        code = _loop(Run(cfg, engine, dims, device, train_data, val_data, data_state, model_state(gpt_cfg),
+                         progress, checkpoints, ckpt_dir, start_step, flops_per_token, peak))
     except runtime.JobError:
         checkpoints.flush()
         raise
@@ -200,8 +220,10 @@ def run(cfg, nodes) -> int:
     return code
 
 
-def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, progress, checkpoints,
-          ckpt_dir, start_step, flops_per_token, peak) -> int:
+def _loop(run: Run) -> int:
+    cfg, engine, dims, device, progress, checkpoints = (run.cfg, run.engine, run.dims, run.device,
+                                                        run.progress, run.checkpoints)
+    train_data, start_step = run.train_data, run.start_step
     B, T, G = cfg.global_batch, cfg.seq_len, engine.gradient_accumulation_steps
     engine.train()
     t_start = time.perf_counter()
@@ -245,13 +267,13 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
                   # a step decided on the device (defer_stats) says at once only that it was issued
                   "updated": bool(updated) and math.isfinite(engine.last_grad_norm),
                   "tokens": done * B * T, "tokens_per_s": B * T / dt,
-                  "step_time": dt, "mfu": flops_per_token * B * T / dt / (peak * dims.world.size),
+                  "step_time": dt, "mfu": run.flops_per_token * B * T / dt / (run.peak * dims.world.size),
                   "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
                   "time": time.perf_counter() - t_start}
         # the offloaded optimizer's phases (docs/offload.md), flat: offload_host_pass, ...
         record.update({f"offload_{k}": v for k, v in engine.offload_phases.items()})
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or last):
-            record["val_loss"] = evaluate(engine, val_data, cfg, dims, device)
+            record["val_loss"] = evaluate(engine, run.val_data, cfg, dims, device)
 
         checkpoints.poll()  # sync (while a save is in flight): publish it once every rank wrote
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
@@ -259,8 +281,8 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
                 say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
             else:  # sync: collective. The sampler is a pure function of (seed, step): the step is the data position
                 # "metrics": this step's line, which a kill right after the save would lose
-                checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": data_state,
-                                        "model": model_state(gpt_cfg), "config": to_dict(cfg),
+                checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": run.data_state,
+                                        "model": run.model_state, "config": to_dict(cfg),
                                         "metrics": dict(record)}, final=bool(sig or last))
         saved = checkpoints.take()
         if saved:
@@ -268,7 +290,7 @@ def _loop(cfg, engine, dims, device, train_data, val_data, data_state, gpt_cfg, 
         progress.update(record)
         if sig and not last:
             progress.close(f"{signal.Signals(int(sig)).name} received: checkpoint of step {done} "
-                           f"saved in {ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
+                           f"saved in {run.ckpt_dir}; exiting with {EXIT_STOPPED} (requeue me)")
             return EXIT_STOPPED
 
     checkpoints.flush()  # sync: a background save still in flight (the last step was not finite)

@@ -93,7 +93,7 @@ def batch_note(global_batch: int, grad_accum: int, dp: int) -> str | None:
     """A line for rank 0 when the batch does not split evenly over the ranks, or None.
     Uneven rows are handled exactly (losses are weighted by rows; tests/system/test_train.py),
     but silently wasting a rank's time surprised users, so say it."""
-    from .data.tokens import shard_range
+    from ..data.tokens import shard_range
 
     counts = [[b - a for a, b in (shard_range(m1 - m0, r, dp) for r in range(dp))]
               for m0, m1 in (shard_range(global_batch, m, grad_accum) for m in range(grad_accum))]
