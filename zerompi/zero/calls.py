@@ -43,14 +43,20 @@ def call_comm(dims):
     return MPICommunicator(raw)  # duplicates it
 
 
-def collective(name: str, check: bool = True):
+def collective(name: str, check: bool = True, generous: str | None = None):
     """Decorate an engine method that every rank must call: `check` agrees first (see
-    the module docstring), else the waits inside are only named after it."""
+    the module docstring), else the waits inside are only named after it. `generous`:
+    the agreement waits under the checkpoint I/O deadline the call's own waits have
+    (watchdog.generous: ranks that answer are slow writers, silent ones are gone)."""
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
             if check:
-                agree_on_call(self, name)
+                if generous:
+                    with watchdog.generous(generous):
+                        agree_on_call(self, name)
+                else:
+                    agree_on_call(self, name)
                 return fn(self, *args, **kwargs)
             with watchdog.within(f"engine.{name}"):
                 return fn(self, *args, **kwargs)

@@ -357,7 +357,7 @@ class ZeroEngine(calls.EngineFace):
     # ------------------------------------------------------------------ checkpoints
     STATE_KINDS = state_io.STATE_KINDS
 
-    @calls.collective("save_checkpoint")
+    @calls.collective("save_checkpoint", generous="checkpoint save")
     def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None, async_save: bool = False):
         """Atomic HDF5-sharded checkpoint (see docs/checkpoints.md); returns its path.
@@ -368,7 +368,7 @@ class ZeroEngine(calls.EngineFace):
         return checkpoint.save(self, directory, tag=tag, client_state=calls.with_attached(self, client_state),
                                keep_last=keep_last, async_save=async_save)
 
-    @calls.collective("load_checkpoint")
+    @calls.collective("load_checkpoint", generous="checkpoint load")
     def load_checkpoint(self, directory, tag: str | None = None) -> dict | None:
         """Load the checkpoint `tag` (default: the 'latest' pointer) saved at any world
         size or stage; returns its client_state, or None when none exists. Collective."""
