@@ -1,4 +1,4 @@
-"""The engine's user API at N ranks (tests/multirank/test_engine_api.py).
+"""The engine's user API at N ranks (tests/multirank/test_user_api_ranks.py).
 
   dist STAGE         zerompi.init_process_group beside an engine: dist.get_rank/size are
                      MPI's, DistributedSampler gives each rank its share, a metric

@@ -57,14 +57,14 @@ def optimizer_and_scheduler(engine, optimizer, lr_scheduler):
     """DeepSpeed's `optimizer=` (a torch optimizer, or a callable of the parameters) and
     `lr_scheduler=` (a scheduler, or a callable of the optimizer) -> the pair the 4-tuple
     returns. The engine's own optimizer is the one that updates; taking a user's optimizer
-    and scheduler belongs to the engine's torch.optim.Optimizer (not yet merged)."""
+    or scheduler is for the optimizer side of the engine (optim/), not yet here."""
     if optimizer is not None:
         raise NotImplementedError("zerompi.initialize: optimizer= is not supported yet (the engine builds its "
                                   "AdamW from the config's optimizer block; leave optimizer= out)")
     if lr_scheduler is not None:
         raise NotImplementedError("zerompi.initialize: lr_scheduler= is not supported yet (set "
                                   "engine.param_groups[i]['lr'] in your loop)")
-    return engine.optimizer, None
+    return engine.optimizer, engine.lr_scheduler  # the engine's own (None unless it built one)
 
 
 def _config_source(config, given: dict):

@@ -2,7 +2,7 @@
 reaches engine.backward (zero/outputs.py), DeepSpeed's accessors, zerompi.initialize's two
 return forms and its argument checks (integrations/initialize.py), and the loader that
 gives each data-parallel rank its share and resumes (integrations/data.py). The multi-rank
-side: tests/multirank/test_engine_api.py."""
+side: tests/multirank/test_user_api_ranks.py."""
 import pytest
 import torch
 import torch.nn as nn

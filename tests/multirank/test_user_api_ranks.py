@@ -1,4 +1,4 @@
-"""The engine's user API at 2-4 ranks (issue 42; one rank: tests/unit/test_engine_api.py):
+"""The engine's user API at 2-4 ranks (issue 42; one rank: tests/unit/test_user_api.py):
 a torch.distributed group from the MPI world beside the engine, a DeepSpeedExamples-style
 loop with the import changed that resumes bitwise mid-epoch, and collective methods called
 on a subset of ranks ending the job, named."""
