@@ -138,6 +138,7 @@ class ZeroEngine(calls.EngineFace):
 
     @calls.collective("forward", check=False)
     def __call__(self, *args, **kwargs):
+        """The model's forward, returning what the model returns. Collective."""
         if self.mixed:
             args, kwargs = cast_inputs(args, self.dtype), cast_inputs(kwargs, self.dtype)
         self.param_store.start_forward()
@@ -395,4 +396,5 @@ class ZeroEngine(calls.EngineFace):
 
     @calls.collective("full_grads")
     def full_grads(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients at full shape (tests, debugging). Collective."""
         return state_io.full_grads(self)
