@@ -39,8 +39,10 @@ def initialize(model=None, config: "ZeroConfig | dict | str | None" = None, *, d
     deepspeed.initialize, (engine, optimizer, training_dataloader, lr_scheduler), and
     torch.distributed is initialised (unless dist_init_required=False). training_data:
     a dataset, each data-parallel rank's share of it in micro-batches, its position saved
-    in the engine's checkpoints (zerompi/integrations/data.py). Rule and details:
-    zerompi/integrations/initialize.py."""
+    in the engine's checkpoints (zerompi/integrations/data.py). `optimizer` (a torch
+    optimizer, its class or a factory) and `lr_scheduler` (a torch scheduler or a
+    factory(optimizer); else the DeepSpeed config's scheduler block) become the engine's:
+    zero/client_optim.py. Rule and details: zerompi/integrations/initialize.py."""
     from .integrations import initialize as ds_init
 
     passed = dict(args=args, model_parameters=model_parameters, training_data=training_data,

@@ -98,8 +98,11 @@ def test_initialize_argument_checks(tmp_path):
         zerompi.initialize(model=model, model_parameters=[p for n, p in model.named_parameters()
                                                           if not n.startswith("ln_f")],
                            config={"stage": 1}, dist_init_required=False)
-    with pytest.raises(NotImplementedError, match="optimizer= is not supported yet"):
-        zerompi.initialize(model=model, optimizer=torch.optim.SGD, config={"stage": 1}, dist_init_required=False)
+    # with an optimizer (zero/client_optim.py), model_parameters go to its factory unchecked here
+    engine, opt, _, sched = zerompi.initialize(model=model, model_parameters=model.parameters(),
+                                               optimizer=torch.optim.AdamW, config={"stage": 1},
+                                               dist_init_required=False)
+    assert opt is engine.optimizer and sched is None
     with pytest.raises(NotImplementedError, match="mpu= is not supported"):
         zerompi.initialize(model=model, mpu=object(), config={"stage": 1})
     with pytest.raises(ValueError, match="training_data needs the micro-batch size"):
@@ -197,12 +200,11 @@ def test_loader_position_rides_in_the_engines_checkpoint(tmp_path):
     assert _taken([loader2]) == [list(next(it).tolist()) + sum((b.tolist() for b in it), [])]
 
 
-def test_deepspeed_scheduler_block_is_refused_by_name_until_mapped():
-    """A DeepSpeedExamples config with a scheduler block: one error naming it (the
-    optimizer lane maps these blocks; this test changes with it)."""
-    from zerompi.config import ConfigError
-
+def test_deepspeed_scheduler_block_comes_back_as_the_tuples_scheduler():
+    """A DeepSpeedExamples config with a scheduler block: the 4-tuple's scheduler is the
+    engine's (built by zero/client_optim.py from the block, stepped by the engine)."""
     model = _gpt()
     ds = dict(DS, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}})
-    with pytest.raises(ConfigError, match="scheduler.type"):
-        zerompi.initialize(model=model, model_parameters=model.parameters(), config=ds, dist_init_required=False)
+    engine, opt, _, sched = zerompi.initialize(model=model, model_parameters=model.parameters(), config=ds,
+                                               dist_init_required=False)
+    assert sched is not None and sched is engine.lr_scheduler and opt is engine.optimizer

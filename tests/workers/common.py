@@ -31,7 +31,7 @@ class Odd(nn.Module):
     def forward(self, idx, targets=None):
         h = self.emb(idx)
         h = h + self.body(h) * self.scale
-        h = h + 0.1 * self.frozen(h) * self.mask
+        h = h + 0.1 * self.frozen(h) * self.mask.to(h.dtype)  # fp32 buffer (zero.buffer_dtype keep)
         logits = self.head(h).float() + self.bias.float()
         if targets is None:
             return logits

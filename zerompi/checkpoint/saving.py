@@ -125,6 +125,7 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
     err, client_json, sched_json = None, None, None
     try:
         client_json = fmt.client_state_json(client_state)
+        engine.settle()  # a step decided on the device steps the scheduler when read
         sched_json = schedulers.state_json(engine)
         tag = fmt.check_tag(f"step-{engine.global_steps}" if tag is None else tag)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):

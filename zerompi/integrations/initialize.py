@@ -19,16 +19,17 @@ DEEPSPEED_ARGS = ("args", "model_parameters", "training_data", "optimizer", "lr_
 def run(model, config, dims, param_groups, ds: dict):
     """The body of zerompi.initialize; `ds`: the DeepSpeed arguments the call passed."""
     from ..config import load as load_config
-    from ..zero.engine import ZeroEngine
+    from ..zero.client_optim import engine_with
 
     given = dict(ds)
     if model is None:
         raise TypeError("zerompi.initialize: model is required")
     config = _config_source(config, given)
-    if "model_parameters" in given and given["model_parameters"] is not None:
+    model_parameters, optimizer = given.get("model_parameters"), given.get("optimizer")
+    if model_parameters is not None and optimizer is None:  # with an optimizer: its factory takes them
         if param_groups is not None:
             raise TypeError("zerompi.initialize: give model_parameters (DeepSpeed's name) or param_groups, not both")
-        param_groups = _groups_of(model, given["model_parameters"])
+        param_groups, model_parameters = _groups_of(model, model_parameters), None
     for name, what in (("mpu", "a Megatron model-parallel unit: zerompi builds its own dp x tp grid (config "
                         "tensor_parallel_size)"), ("mesh_param", "a device mesh: zerompi builds its own dp x tp "
                         "grid (config tensor_parallel_size)")):
@@ -36,35 +37,23 @@ def run(model, config, dims, param_groups, ds: dict):
             raise NotImplementedError(f"zerompi.initialize: {name}= is not supported ({what})")
     # A DeepSpeed config's batch arithmetic is over the data-parallel ranks.
     cfg = load_config(config, dp_size=dims.dp_size if dims is not None else None)
-    engine = ZeroEngine(model, cfg, dims=dims, param_groups=param_groups)
+    # the user's optimizer and scheduler, or the config's scheduler block (zero/client_optim.py)
+    engine = engine_with(model, cfg, dims=dims, param_groups=param_groups, optimizer=optimizer,
+                         lr_scheduler=given.get("lr_scheduler"), model_parameters=model_parameters,
+                         config_source=config)
     if not given:
         return engine
     if given.get("dist_init_required", None) is not False:
         from .distributed import init_process_group
 
         init_process_group()  # DeepSpeed initialises torch.distributed too
-    optimizer, scheduler = optimizer_and_scheduler(engine, given.get("optimizer"), given.get("lr_scheduler"))
     loader = None
     if given.get("training_data") is not None:
         from .data import ShardedLoader
 
         loader = ShardedLoader(given["training_data"], micro_batch_size(config, engine), engine,
                                collate_fn=given.get("collate_fn"), seed=cfg.seed)
-    return engine, optimizer, loader, scheduler
-
-
-def optimizer_and_scheduler(engine, optimizer, lr_scheduler):
-    """DeepSpeed's `optimizer=` (a torch optimizer, or a callable of the parameters) and
-    `lr_scheduler=` (a scheduler, or a callable of the optimizer) -> the pair the 4-tuple
-    returns. The engine's own optimizer is the one that updates; taking a user's optimizer
-    or scheduler is for the optimizer side of the engine (optim/), not yet here."""
-    if optimizer is not None:
-        raise NotImplementedError("zerompi.initialize: optimizer= is not supported yet (the engine builds its "
-                                  "AdamW from the config's optimizer block; leave optimizer= out)")
-    if lr_scheduler is not None:
-        raise NotImplementedError("zerompi.initialize: lr_scheduler= is not supported yet (set "
-                                  "engine.param_groups[i]['lr'] in your loop)")
-    return engine.optimizer, engine.lr_scheduler  # the engine's own (None unless it built one)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def _config_source(config, given: dict):

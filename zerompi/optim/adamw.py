@@ -21,6 +21,9 @@ from ..config import OptimizerConfig
 from .base import ShardOptimizer
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+# the group keys of each optimizer.type (torch's names)
+KEYS_OF = {"adamw": GROUP_KEYS, "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
+           "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")}
 
 
 @dataclass(frozen=True)
@@ -52,20 +55,22 @@ def build_groups(model: nn.Module, defaults: OptimizerConfig,
                  param_groups: Sequence[dict] | None) -> tuple[list[dict], dict[int, int]]:
     """torch-style param groups -> (group hyper-parameters, id(param) -> group index).
 
-    Parameters not named in any group fall into group 0 with the config defaults."""
-    base = {"lr": defaults.lr, "betas": tuple(defaults.betas), "eps": defaults.eps,
-            "weight_decay": defaults.weight_decay}
+    Parameters not named in any group fall into group 0 with the config defaults. The
+    keys are those of the config's optimizer type (KEYS_OF)."""
+    keys = KEYS_OF[getattr(defaults, "type", "adamw")]
+    base = {k: (tuple(defaults.betas) if k == "betas" else getattr(defaults, k)) for k in keys}
     groups, owner = [dict(base)], {}
     known = {id(p) for p in model.parameters()}
     for gi, g in enumerate(param_groups or ()):
         if "params" not in g:
             raise ValueError(f"param_groups[{gi}]: missing 'params'")
-        bad = set(g) - set(GROUP_KEYS) - {"params", "name"}
+        bad = set(g) - set(keys) - {"params", "name"}
         if bad:
-            raise ValueError(f"param_groups[{gi}]: unknown keys {sorted(bad)} (valid: {GROUP_KEYS})")
+            raise ValueError(f"param_groups[{gi}]: unknown keys {sorted(bad)} (valid: {keys})")
         hp = dict(base)
-        hp.update({k: g[k] for k in GROUP_KEYS if k in g})
-        hp["betas"] = tuple(hp["betas"])
+        hp.update({k: g[k] for k in keys if k in g})
+        if "betas" in hp:
+            hp["betas"] = tuple(hp["betas"])
         groups.append(hp)
         for p in g["params"]:
             if id(p) not in known:

@@ -99,10 +99,13 @@ class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps of the whole run (a resumed run continues up to this)."""
     lr_schedule: str = "cosine"
-    """cosine | deepspeed_warmup | deepspeed_warmup_cosine. cosine: linear warm-up over
-    warmup_steps, cosine decay to min_lr at lr_decay_steps. The deepspeed_* ones are
-    DeepSpeed's WarmupLR / WarmupCosineLR (linear warm-up) exactly, counted in applied
-    updates as DeepSpeed counts them; --deepspeed_config maps onto them (trainer/schedule.py)."""
+    """cosine | deepspeed_warmup | deepspeed_warmup_decay | deepspeed_warmup_cosine. cosine:
+    linear warm-up over warmup_steps, cosine decay to min_lr at lr_decay_steps. The
+    deepspeed_* ones are DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR exactly
+    (warm-up shape: warmup_type), counted in applied updates as DeepSpeed counts them;
+    --deepspeed_config maps onto them (trainer/schedule.py)."""
+    warmup_type: str = "linear"
+    """deepspeed_* schedules: linear | log (DeepSpeed's warmup_type; its default is log)."""
     warmup_steps: int = 100
     """Linear LR warm-up from 0 (deepspeed_*: from warmup_start_lr) to zero.optimizer.lr over this many steps."""
     warmup_start_lr: float = 0.0
@@ -173,6 +176,9 @@ class TrainConfig:
             fail("val_fraction", self.val_fraction, "must be in [0, 1)")
         if self.eval_interval and self.val_fraction == 0:
             fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
+        if self.zero.optimizer.type != "adamw":
+            fail("zero.optimizer.type", self.zero.optimizer.type, "the trainer trains with AdamW (SGD and Adagrad "
+                 "run through zerompi.initialize)")
         if self.lr_schedule not in KINDS:
             fail("lr_schedule", self.lr_schedule, f"must be one of {', '.join(KINDS)}")
         if self.lr_schedule != "cosine" and self.warmup_steps < 2:
@@ -180,7 +186,10 @@ class TrainConfig:
                  "(DeepSpeed warms up over at least 2 steps)")
         if not self.warmup_start_lr >= 0:
             fail("warmup_start_lr", self.warmup_start_lr, "must be >= 0")
-        if self.lr_schedule != "deepspeed_warmup" and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
+        if self.warmup_type not in ("linear", "log"):
+            fail("warmup_type", self.warmup_type, "must be linear or log")
+        if self.lr_schedule not in ("deepspeed_warmup", "deepspeed_warmup_decay") \
+                and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
             fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
         if self.block_size > self.model.gpt_config().block_size:
             fail("block_size", self.block_size,

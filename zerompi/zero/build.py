@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..device import Placement
-from ..optim import ShardedAdamW, host_fused
+from ..optim import ShardedAdamW, elementwise, host_fused
 from .state import ShardState
 
 
@@ -43,7 +43,11 @@ def optimizer(segments, state: ShardState, groups: list[dict], params, group_of,
     step for the shard; on the host their numpy references) or torch ops per segment.
     Offloaded, fused means torch's fused CPU AdamW; the staged pipeline: zero/offload.py
     (staged: its (config, dims))."""
-    opt = _adamw(segments, state, groups, len(params), impl, staged)
+    kind = staged[0].optimizer.type if staged else "adamw"
+    if kind == "adamw":
+        opt = _adamw(segments, state, groups, len(params), impl, staged)
+    else:  # SGD, Adagrad: torch ops per segment (optim/elementwise.py)
+        opt = elementwise.KINDS[kind](segments, state.views, groups, len(params))
     opt.attach_params(params, group_of, hide_empty_default=user_groups)
     return opt
 

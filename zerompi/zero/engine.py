@@ -83,7 +83,7 @@ class ZeroEngine(calls.EngineFace):
                                             staging=offload_mod.staging_pairs(cfg, placement))
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        sg.shard, cfg, owns_all=parts.owns_all, groups=sg)
-        sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
+        sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype, cfg.buffer_dtype)
         ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
