@@ -5,7 +5,6 @@ gives each data-parallel rank its share and resumes (integrations/data.py). The 
 side: tests/multirank/test_user_api_ranks.py."""
 import pytest
 import torch
-import torch.nn as nn
 
 import zerompi
 from zerompi.integrations.data import ShardedLoader

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-DEEPSPEED_ARGS = ("args", "model_parameters", "training_data", "optimizer", "lr_scheduler", "collate_fn",
-                  "config_params", "mpu", "dist_init_required", "distributed_port", "mesh_param")
-
 
 def run(model, config, dims, param_groups, ds: dict):
     """The body of zerompi.initialize; `ds`: the DeepSpeed arguments the call passed."""
