@@ -35,11 +35,15 @@ setup(
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         # transformers: tests build BERT, T5, GPT-2, Llama, Mixtral from configs (no download);
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time
-        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "accelerate>=1.1", "nvidia-cuda-nvrtc-cu12"],
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "accelerate>=1.1", "nvidia-cuda-nvrtc-cu12",
+                 "pyarrow>=12"],
         # the Hugging Face Trainer on zerompi (zerompi/integrations/transformers.py): the Trainer needs accelerate
         "hf": ["transformers>=4.40", "accelerate>=1.1"],
+        # python -m zerompi.prepare: Parquet input and tokenizer.json tokenizers (docs/data.md)
+        "data": ["pyarrow>=12", "tokenizers>=0.15"],
     },
     entry_points={"console_scripts": [
         "zerompi-train=zerompi.train:main",
+        "zerompi-prepare=zerompi.prepare:main",
     ]},
 )

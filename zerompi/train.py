@@ -77,7 +77,7 @@ def _agreed_config(argv: list[str], world):
         tp = cfg.zero.tensor_parallel_size
         if world.size % tp:
             raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({world.size})")
-        problem = cfg.model.gpt_config().tp_problem(tp)
+        problem = cfg.model.shape().tp_problem(tp)
         if problem:
             raise ConfigError("zero.tensor_parallel_size", tp, problem)
     except ValueError as e:

@@ -1,5 +1,6 @@
 """House rules that keep the code navigable: no import cycle in zerompi/ (function-level
-imports included, between modules and between packages), and no file over 400 lines."""
+imports included, between modules and between packages), no file over 400 lines, and no
+private name used outside the module that defines it."""
 from __future__ import annotations
 
 import ast
@@ -12,10 +13,10 @@ PKG = ROOT / "zerompi"
 MAX_LINES = 400
 
 
-def _modules() -> dict[str, Path]:
+def _modules(pkg: Path = PKG) -> dict[str, Path]:
     out = {}
-    for p in PKG.rglob("*.py"):
-        parts = p.relative_to(ROOT).with_suffix("").parts
+    for p in pkg.rglob("*.py"):
+        parts = p.relative_to(pkg.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     return out
 
@@ -123,3 +124,47 @@ def test_no_file_over_400_lines():
                                                          for s in p.relative_to(ROOT).parts)]
     long = {str(p.relative_to(ROOT)): n for p in tracked if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def private_uses(pkg: Path = PKG) -> list[str]:
+    """`from M import _x` and `N._x` (N a name imported from zerompi) outside module M. A
+    private *module* (`kernels/_loader.py`) may be imported within its own package."""
+    mods, out = _modules(pkg), []
+    for m, p in mods.items():
+        imported: set[str] = set()
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for tgt, alias in zip(_targets(m, p.name == "__init__.py", node, mods), node.names):
+                    name = alias.name
+                    imported.add(alias.asname or name)
+                    if not name.startswith("_") or name.startswith("__") or tgt == m:
+                        continue
+                    if tgt.endswith("." + name):  # a private module: fine inside its package
+                        package = tgt.rpartition(".")[0]
+                        if m != package and not m.startswith(package + "."):
+                            out.append(f"{m} imports {tgt}")
+                    else:
+                        out.append(f"{m} imports {tgt}.{name}")
+            elif isinstance(node, ast.Import):
+                imported.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("zerompi"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                out.append(f"{m} uses {node.value.id}.{node.attr}")
+    return sorted(set(out))
+
+
+def test_private_use_finder_finds_them(tmp_path):
+    pkg = tmp_path / "zerompi"
+    (pkg / "a").mkdir(parents=True)
+    for f, text in {"__init__.py": "", "a/__init__.py": "", "a/_inner.py": "x = 1",
+                    "a/b.py": "from . import _inner\nfrom .c import _hidden\n", "a/c.py": "_hidden = 1",
+                    "d.py": "from .a import _inner\nfrom .a.c import C\nC._state\n"}.items():
+        (pkg / f).write_text(text)
+    assert private_uses(pkg) == ["zerompi.a.b imports zerompi.a.c._hidden", "zerompi.d imports zerompi.a._inner",
+                              "zerompi.d uses C._state"]
+
+
+def test_no_private_name_used_across_modules():
+    assert private_uses() == []

@@ -17,7 +17,7 @@ def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
     import socket
 
     from zerompi.checkpoint.directory import OWNER, cleanup
-    from zerompi.runtime.rundir import _start_time
+    from zerompi.runtime.rundir import start_time
 
     live = subprocess.Popen(["sleep", "60"])
     dead = subprocess.Popen(["true"])
@@ -27,7 +27,7 @@ def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
             (tmp_path / name).mkdir()
             if pid:
                 (tmp_path / name / OWNER).write_text(json.dumps(
-                    {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid) or "gone"}))
+                    {"host": socket.gethostname(), "pid": pid, "start": start_time(pid) or "gone"}))
         cleanup(str(tmp_path))
         assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-a-live"]
     finally:
@@ -38,7 +38,7 @@ def test_cleanup_touches_only_temporary_directories_of_dead_owners(tmp_path):
 def test_a_zombie_owner_counts_as_gone():
     """A killed rank whose parent is gone may stay a zombie (an init that does not reap, as
     in some containers): its locks and temporary directories belong to nobody."""
-    from zerompi.runtime.rundir import _start_time
+    from zerompi.runtime.rundir import start_time
 
     z = subprocess.Popen(["true"])  # exits at once; unreaped until wait(): a zombie
     try:
@@ -46,8 +46,8 @@ def test_a_zombie_owner_counts_as_gone():
         while open(f"/proc/{z.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert _start_time(z.pid) is None
-        assert _start_time(os.getpid()) is not None
+        assert start_time(z.pid) is None
+        assert start_time(os.getpid()) is not None
     finally:
         z.wait()
 

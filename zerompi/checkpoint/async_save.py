@@ -34,6 +34,7 @@ import time
 import weakref
 
 from ..runtime import watchdog
+from ..runtime.console import say
 from . import saving
 from .background import WRITER_KINDS, WRITER_NICE, ProcessWriter, Task, ThreadWriter, save_task
 from .staging import Snapshot, Staging
@@ -69,7 +70,8 @@ class AsyncSaver:
         self.close()
         self.staging = Staging(engine, lowp, mods)
         if self.kind == "process" and self.staging.fd is None:   # no memfd (not Linux): no helper can map it
-            _say(engine, "checkpoint: writer process needs memfd_create; writing in a thread instead")
+            say("checkpoint: writer process needs memfd_create; writing in a thread instead",
+                rank=engine.dims.world.rank)
             self.kind = "thread"
         self.writer = ProcessWriter(self.staging, self.nice) if self.kind == "process" else ThreadWriter(self.nice)
 
@@ -92,8 +94,8 @@ class AsyncSaver:
             prev = self.inflight.start["tag"]
             self.flush()
             waited = time.perf_counter() - t0
-            _say(engine, f"checkpoint: waited {waited:.2f} s for the save of {prev} to finish before saving "
-                         f"{tag or f'step-{engine.global_steps}'} (at most one save is in flight)")
+            say(f"checkpoint: waited {waited:.2f} s for the save of {prev} to finish before saving "
+                f"{tag or f'step-{engine.global_steps}'} (at most one save is in flight)", rank=engine.dims.world.rank)
         t1 = time.perf_counter()
         s = saving.start(engine, directory, tag, client_state, keep_last)
         try:
@@ -218,11 +220,6 @@ def _raiser(e: Exception):
     def fail():
         raise e
     return fail
-
-
-def _say(engine, msg: str) -> None:
-    if engine.dims.world.rank == 0:
-        print(f"zerompi: {msg}", file=sys.stderr, flush=True)
 
 
 def _warn_unpublished(ref) -> None:

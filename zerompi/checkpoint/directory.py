@@ -62,17 +62,17 @@ def write_latest(directory: str, tag: str) -> None:
 def mark_owner(tmp: str) -> None:
     """Record who writes into a temporary checkpoint directory (host, pid, start time),
     so that another job's cleanup leaves it alone while this process lives."""
-    from ..runtime.rundir import _me
+    from ..runtime.rundir import identity
 
     with open(os.path.join(tmp, OWNER), "w") as f:
-        json.dump(_me(), f)
+        json.dump(identity(), f)
 
 
 def _owner_gone(path: str) -> bool:
     """True when the process that made a temporary directory is gone: dead on this host,
     silent for OTHER_HOST_S on another, or unknown (a crash left it before marking, or a
     publish/rotation step that never marks)."""
-    from ..runtime.rundir import _me, _start_time
+    from ..runtime.rundir import identity, start_time
 
     try:
         with open(os.path.join(path, OWNER)) as f:
@@ -80,9 +80,9 @@ def _owner_gone(path: str) -> bool:
         age = time.time() - os.stat(os.path.join(path, OWNER)).st_mtime
     except (OSError, ValueError):
         return True
-    if owner.get("host") != _me()["host"]:
+    if owner.get("host") != identity()["host"]:
         return age > OTHER_HOST_S
-    return _start_time(owner.get("pid", -1)) != owner.get("start")
+    return start_time(owner.get("pid", -1)) != owner.get("start")
 
 
 def cleanup(directory: str) -> None:
@@ -103,10 +103,10 @@ def _latest_tmp_gone(entry: str, path: str) -> bool:
     """write_latest's temporary (.latest.HOST-PID.XXXX.tmp, fileio.atomic_file) lives
     milliseconds unless its writer crashed: gone when that pid is dead on this host, or
     (another host, or an older name without the owner) when it is older than 10 min."""
-    from ..runtime.rundir import _me, _start_time
+    from ..runtime.rundir import identity, start_time
 
     m = re.match(rf"^\.{fmt.LATEST}\.(.+)-(\d+)\.[^.]+\.tmp$", entry)
-    if m and m.group(1) == _me()["host"] and _start_time(int(m.group(2))) is None:
+    if m and m.group(1) == identity()["host"] and start_time(int(m.group(2))) is None:
         return True
     try:
         return time.time() - os.stat(path).st_mtime > 600

@@ -35,11 +35,7 @@ class ResumeError(JobError):
     exit_code = 2  # like a bad config: the command needs changing, not a retry
 
 
-def _say(world, msg: str) -> None:
-    say(msg, rank=world.rank)
-
-
-def _candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
+def candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
     """(checkpoint paths to try in order, warnings). Runs on rank 0 only."""
     if resume_from:
         paths = (resume_from, os.path.join(ckpt_dir, resume_from))
@@ -85,21 +81,21 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
     found, err = ([], []), None
     if world.rank == 0:
         try:
-            found = _candidates(ckpt_dir, resume_from)
+            found = candidates(ckpt_dir, resume_from)
         except (ResumeError, CheckpointError, OSError) as e:
             err = str(e)
     problems = runtime.agree(world, err)
     if problems:
         raise ResumeError(problems[0][2])
-    candidates, notes = world.bcast_object(found)
+    paths, notes = world.bcast_object(found)
     for n in notes:
-        _say(world, f"WARNING: {n}")
-    if not candidates:
-        _say(world, f"no checkpoint in {ckpt_dir}: starting a FRESH run at step 0")
+        say(f"WARNING: {n}", rank=world.rank)
+    if not paths:
+        say(f"no checkpoint in {ckpt_dir}: starting a FRESH run at step 0", rank=world.rank)
         return None
 
     wanted = _hyper(engine)
-    for i, path in enumerate(candidates):
+    for i, path in enumerate(paths):
         # Rank 0 chose it; a rank that cannot even see it points at the filesystem. When
         # rank 0 cannot either, the directory has no manifest: damaged, or a save that
         # never finished, to be skipped like any other damage.
@@ -116,11 +112,11 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
         except CheckpointError as e:
             if resume_from:
                 raise ResumeError(f"--resume_from {resume_from}: {e}") from None
-            _say(world, f"WARNING: checkpoint {path} is damaged and is skipped:\n  {e}")
+            say(f"WARNING: checkpoint {path} is damaged and is skipped:\n  {e}", rank=world.rank)
             continue
         if i > 0:
-            _say(world, f"WARNING: RESUMING FROM AN OLDER CHECKPOINT, {path}: the newer ones above "
-                        "failed verification (pass --resume_from TAG|PATH to choose another)")
+            say(f"WARNING: RESUMING FROM AN OLDER CHECKPOINT, {path}: the newer ones above "
+                "failed verification (pass --resume_from TAG|PATH to choose another)", rank=world.rank)
         _check_optimizer(engine, world, wanted, override_optimizer)
         return client
     raise ResumeError(f"no checkpoint in {ckpt_dir} verifies (each is listed above); start fresh with "
@@ -142,4 +138,4 @@ def _check_optimizer(engine, world, wanted: list[dict], override: bool) -> None:
                           "config's values, or restore them")
     for g, w in zip(engine.param_groups, wanted):
         g.update({k: (tuple(w[k]) if k == "betas" else w[k]) for k in HYPER})
-    _say(world, f"override_optimizer: using the config's optimizer hyper-parameters: {text}")
+    say(f"override_optimizer: using the config's optimizer hyper-parameters: {text}", rank=world.rank)

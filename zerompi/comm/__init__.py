@@ -66,9 +66,9 @@ def create(world=None, backend: str = "auto", reduce_scatter: str = "ordered", d
         why = nccl.unavailable(dev)
         if backend == "nccl" and why:
             raise _config_error(why)  # before any MPI call: this rank's own reason
-        from .mpi import _mpi
+        from .mpi import mpi_module
 
-        base = _mpi().COMM_WORLD if world is None else world
+        base = mpi_module().COMM_WORLD if world is None else world
         if dev is None and why is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         mine = (why, _gpu_key(dev) if why is None else None)

@@ -110,9 +110,8 @@ def next_pause(pause: float, waited: float, chains: bool) -> float:
     """The sleep before a polled wait's next test, after `pause` and `waited` seconds in
     all: doubling from 10 us, so short waits stay fast and long ones cost few wake-ups,
     but never over a tenth of the time waited, so a wait ends at most ~10% after its
-    collective does. Doubling alone overshot by up to the whole wait: zerompi.Init's
-    per-parameter gathers on 3 ranks sharing 2 cores took 1.6x as long (12.5 -> 8 s
-    with the bound, measured on "vm"). At most 10 ms (a stuck peer costs 100 wake-ups
+    collective does. Doubling alone overshot by up to the whole wait (docs/performance.md,
+    "Polled waits"). At most 10 ms (a stuck peer costs 100 wake-ups
     a second); while chains run, 0.2 ms: a peer's next step may be ours to start."""
     return min(2 * pause, max(1e-5, 0.1 * waited), 2e-4 if chains else 1e-2)
 

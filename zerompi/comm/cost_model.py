@@ -72,14 +72,10 @@ class Link:
 #   rank, line rate, no protocol overhead); NVLink 4 on H100 SXM: 18 links x 25 GB/s =
 #   450 GB/s per direction per GPU; shared memory: a copy through a shared buffer at
 #   ~10 GB/s per rank (one core's memcpy bandwidth, order of magnitude).
-# - calibrated-vm: measured, not assumed: benchmarks/calibrate_comm.py on the machine "vm"
-#   (2-core AMD EPYC VM, 24 GiB, Debian 12, pip MPICH 5.0.2 over shared memory, mpi4py
-#   4.1.2, torch 2.13.0+cpu; 2026-11-23): one link fitted jointly to the engine's ordered
-#   reduce-scatter and all-gather on cache-cold fp32 buffers of 2^10 .. 2^24 elements at
-#   N = 2 (one rank per core), medians of 3 interleaved repeats. At N = 4 the 2 cores are
-#   oversubscribed and the fit is alpha = 11.4 us, beta = 0.362 ns/B (per-op links and the
-#   check against real stage-2 steps: benchmarks/results/comm_calibration.json,
-#   docs/scaling.md).
+# - calibrated-vm: fitted, not assumed: benchmarks/calibrate_comm.py on a 2-core VM over
+#   pip MPICH's shared memory, one link fitted jointly to the engine's ordered
+#   reduce-scatter and all-gather at N = 2 (the machine, the fit at N = 4, per-op links and
+#   the check against real stage-2 steps: docs/scaling.md, benchmarks/results/).
 PRESETS: dict[str, Link] = {
     "shm": Link("shm", alpha=1e-6, beta=1 / 10e9),
     "nvlink": Link("nvlink", alpha=2e-6, beta=1 / 450e9),

@@ -33,9 +33,7 @@ import torch
 
 from .base import CommStats
 from .chain import Step, run
-from .mpi import MPICommunicator
-
-_sum = MPICommunicator._ordered_sum  # ((p0 + p1) + p2) + ... in the receiver's dtype rules
+from .mpi import ordered_sum as _sum  # ((p0 + p1) + p2) + ... in the receiver's dtype rules
 
 
 def _scratch(scratch, like: torch.Tensor, n: int) -> torch.Tensor:

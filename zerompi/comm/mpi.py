@@ -11,7 +11,7 @@ reduce_scatter 'ordered' (the default) is an alltoall followed by a sum in rank 
 0..N-1 on the receiver: the pairwise-exchange algorithm, same bytes on the wire as any
 reduce-scatter, but every element is summed in the same order whatever the message size.
 MPICH picks its reduce-scatter/allreduce algorithm by message size, and at N >= 3 the
-algorithms sum in different orders (measured: ~30% of elements differ in the last bit),
+algorithms sum in different orders (many elements differ in the last bit),
 so results would otherwise depend on the bucket size.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .base import CommStats, DoneHandle, Handle, Scalars
 _OPS = ("sum", "max", "min", "lor")
 
 
-def _mpi():
+def mpi_module():
     from mpi4py import MPI
 
     return MPI
@@ -41,7 +41,7 @@ _MPI_TYPES = None
 def _mpi_type(dtype: torch.dtype):
     global _MPI_TYPES
     if _MPI_TYPES is None:
-        MPI = _mpi()
+        MPI = mpi_module()
         _MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
                       # 16-bit floats only travel (never reduced by MPI): move them as int16
                       torch.bfloat16: MPI.INT16_T, torch.float16: MPI.INT16_T,
@@ -53,7 +53,7 @@ def _mpi_type(dtype: torch.dtype):
         raise TypeError(f"no MPI datatype for {dtype}") from None
 
 
-def _arr(t: Any, name: str, device_ok: bool = False):
+def buffer_spec(t: Any, name: str, device_ok: bool = False):
     """Zero-copy MPI buffer spec of a contiguous CPU tensor (or a numpy array).
 
     Built from the raw address rather than tensor.numpy(): numpy export marks a torch
@@ -74,14 +74,28 @@ def _arr(t: Any, name: str, device_ok: bool = False):
         torch.cuda.current_stream(t.device).synchronize()
     if not t.is_contiguous():
         raise ValueError(f"{name}: tensor must be contiguous")
-    buf = _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
+    buf = mpi_module().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
     return [buf, _mpi_type(t.dtype)]
 
 
-def _reducible(t: Any, name: str) -> None:
+def check_reducible(t: Any, name: str) -> None:
     dt = t.dtype
     if isinstance(t, torch.Tensor) and dt in (torch.bfloat16, torch.float16):
         raise TypeError(f"{name}: MPI cannot reduce {dt}; reduce in fp32 or use the ordered algorithm")
+
+
+def ordered_sum(parts: torch.Tensor, out: torch.Tensor) -> None:
+    """out = ((p0 + p1) + p2) + ... over parts' first dimension: fixed order on every rank,
+    for every message size (in out's dtype when it matches, else accumulated in parts')."""
+    if out.dtype == parts.dtype:
+        out.copy_(parts[0])
+        for q in range(1, parts.shape[0]):
+            out.add_(parts[q])
+    else:
+        acc = parts[0].clone()
+        for q in range(1, parts.shape[0]):
+            acc.add_(parts[q])
+        out.copy_(acc)
 
 
 class MPICommunicator(ObjectCollectives):
@@ -92,7 +106,7 @@ class MPICommunicator(ObjectCollectives):
 
     def __init__(self, comm: Any = None, reduce_scatter: str = "ordered", _dup: bool = True,
                  device_buffers: bool = False, stats: CommStats | None = None):
-        MPI = _mpi()
+        MPI = mpi_module()
         comm = MPI.COMM_WORLD if comm is None else comm
         # A private duplicate keeps our traffic apart from the user's own messages.
         with waiting("comm_dup"):
@@ -119,14 +133,14 @@ class MPICommunicator(ObjectCollectives):
 
     # ------------------------------------------------------------ helpers
     def _op(self, op: str):
-        MPI = _mpi()
+        MPI = mpi_module()
         try:
             return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "lor": MPI.LOR}[op]
         except KeyError:
             raise ValueError(f"reduction op {op!r}: one of {_OPS}") from None
 
     def _buf(self, t: Any, name: str):
-        return _arr(t, name, self.device_buffers)
+        return buffer_spec(t, name, self.device_buffers)
 
     def _run(self, opname: str, req, async_op: bool, finish=None, keep=()):
         h = Handle(self._stats, opname, req.Wait, req.Test, finish, idle=self.idle)
@@ -156,26 +170,14 @@ class MPICommunicator(ObjectCollectives):
             req = self.comm.Ialltoall(self._buf(t, "all_reduce"), self._buf(scratch, "scratch"))
 
             def finish():
-                self._ordered_sum(scratch.view(self.size, c), mine)
+                ordered_sum(scratch.view(self.size, c), mine)
                 self.comm.Allgather(MPIIN(), self._buf(t, "all_reduce"))
 
             return self._run("all_reduce", req, async_op, finish, keep=(t, scratch))
-        _reducible(t, "all_reduce")
+        check_reducible(t, "all_reduce")
         req = self.comm.Iallreduce(MPIIN(), self._buf(t, "all_reduce"), op=self._op(op))
         return self._run("all_reduce", req, async_op, keep=(t,))
 
-    @staticmethod
-    def _ordered_sum(parts: torch.Tensor, out: torch.Tensor) -> None:
-        # ((p0 + p1) + p2) + ... : fixed order on every rank, for every message size.
-        if out.dtype == parts.dtype:
-            out.copy_(parts[0])
-            for q in range(1, parts.shape[0]):
-                out.add_(parts[q])
-        else:
-            acc = parts[0].clone()
-            for q in range(1, parts.shape[0]):
-                acc.add_(parts[q])
-            out.copy_(acc)
 
     def reduce_scatter(self, send, recv, op: str = "sum", async_op: bool = False,
                        scratch: torch.Tensor | None = None):
@@ -195,9 +197,9 @@ class MPICommunicator(ObjectCollectives):
             tmp = scratch[:send.numel()]
             req = self.comm.Ialltoall(self._buf(send, "send"), self._buf(tmp, "scratch"))
             return self._run("reduce_scatter", req, async_op,
-                             lambda: self._ordered_sum(tmp.view(self.size, n), recv),
+                             lambda: ordered_sum(tmp.view(self.size, n), recv),
                              keep=(send, tmp, recv))
-        _reducible(send, "reduce_scatter")
+        check_reducible(send, "reduce_scatter")
         req = self.comm.Ireduce_scatter_block(self._buf(send, "send"), self._buf(recv, "recv"), op=self._op(op))
         return self._run("reduce_scatter", req, async_op, keep=(send, recv))
 
@@ -268,7 +270,7 @@ class MPICommunicator(ObjectCollectives):
         if self.size > 1:
             t0 = time.perf_counter()
             with waiting("all_reduce"):
-                self.comm.Allreduce(MPIIN(), self._buf(buf, "scalars"), op=_mpi().SUM)
+                self.comm.Allreduce(MPIIN(), self._buf(buf, "scalars"), op=mpi_module().SUM)
             self._stats.add_time("all_reduce", time.perf_counter() - t0)
 
     def barrier(self, poll: bool = False) -> None:
@@ -309,4 +311,4 @@ class MPICommunicator(ObjectCollectives):
 
 
 def MPIIN():
-    return _mpi().IN_PLACE
+    return mpi_module().IN_PLACE

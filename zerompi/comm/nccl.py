@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from .base import CommStats, CommTimeout, Handle
-from .mpi import MPICommunicator
+from .mpi import MPICommunicator, ordered_sum
 
 # ncclDataType_t / ncclRedOp_t values (nccl.h; FLOAT16=6 FLOAT32=7 FLOAT64=8 BFLOAT16=9)
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.bool: 1, torch.int32: 2, torch.int64: 4,
@@ -219,7 +219,7 @@ class NCCLCommunicator:
 
             def body(s):
                 self._a2a(t, tmp, dt, s)
-                MPICommunicator._ordered_sum(tmp.view(self.size, c), mine)
+                ordered_sum(tmp.view(self.size, c), mine)
                 self._comm.allGather(mine.data_ptr(), t.data_ptr(), c, dt, s)  # in place
             return self._launch("all_reduce", (t, tmp), body, async_op)
         return self._launch("all_reduce", (t,), lambda s: self._comm.allReduce(
@@ -239,7 +239,7 @@ class NCCLCommunicator:
 
             def body(s):
                 self._a2a(send, tmp, dt, s)
-                MPICommunicator._ordered_sum(tmp.view(self.size, n), recv)
+                ordered_sum(tmp.view(self.size, n), recv)
             return self._launch("reduce_scatter", (send, recv, tmp), body, async_op)
         return self._launch("reduce_scatter", (send, recv), lambda s: self._comm.reduceScatter(
             send.data_ptr(), recv.data_ptr(), n, dt, rop, s), async_op)

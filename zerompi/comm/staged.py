@@ -34,7 +34,7 @@ import torch
 
 from ..runtime.watchdog import waiting
 from .base import DoneHandle
-from .mpi import MPICommunicator, MPIIN, _arr, _reducible
+from .mpi import MPICommunicator, MPIIN, buffer_spec, check_reducible, ordered_sum
 
 SLOT_BYTES = 4 << 20
 
@@ -221,7 +221,7 @@ class StagedMPICommunicator(MPICommunicator):
             hs, hr = buf[:N * w], buf[N * m:N * m + N * w]
             pack = [(hs[q * w:(q + 1) * w], send[q * n + a:q * n + b]) for q in range(N)]
             unpack = [(recv[q * n + a:q * n + b], hr[q * w:(q + 1) * w]) for q in range(N)]
-            return pack, lambda: self._mpi_call(op, lambda: self.comm.Alltoall(_arr(hs, op), _arr(hr, op))), unpack
+            return pack, lambda: self._mpi_call(op, lambda: self.comm.Alltoall(buffer_spec(hs, op), buffer_spec(hr, op))), unpack
 
         self.stager.run(_chunks(n, m), plan)
 
@@ -233,8 +233,8 @@ class StagedMPICommunicator(MPICommunicator):
 
         def call(hs, hr):
             if root is None:
-                return self.comm.Allgather(_arr(hs, op), _arr(hr, op))
-            return self.comm.Gather(_arr(hs, op), _arr(hr, op) if me else None, root=root)
+                return self.comm.Allgather(buffer_spec(hs, op), buffer_spec(hr, op))
+            return self.comm.Gather(buffer_spec(hs, op), buffer_spec(hr, op) if me else None, root=root)
 
         def plan(k, s):
             a, b = _span(n, m, k)
@@ -283,9 +283,9 @@ class StagedMPICommunicator(MPICommunicator):
 
             def body():
                 self._s_all_to_all(send, tmp, "reduce_scatter")
-                self._ordered_sum(tmp.view(N, n), recv)  # on torch's current stream
+                ordered_sum(tmp.view(N, n), recv)  # on torch's current stream
             return self._timed("reduce_scatter", body, async_op)
-        _reducible(send, "reduce_scatter")
+        check_reducible(send, "reduce_scatter")
         mpi_op = self._op(op)
         m = self.stager.chunk(N + 1, send.dtype)
 
@@ -296,7 +296,7 @@ class StagedMPICommunicator(MPICommunicator):
             hs, hr = buf[:N * w], buf[N * m:N * m + w]
             pack = [(hs[q * w:(q + 1) * w], send[q * n + a:q * n + b]) for q in range(N)]
             return pack, lambda: self._mpi_call("reduce_scatter", lambda: self.comm.Reduce_scatter_block(
-                _arr(hs, "send"), _arr(hr, "recv"), op=mpi_op)), [(recv[a:b], hr)]
+                buffer_spec(hs, "send"), buffer_spec(hr, "recv"), op=mpi_op)), [(recv[a:b], hr)]
 
         return self._timed("reduce_scatter", lambda: self.stager.run(_chunks(n, m), plan), async_op)
 
@@ -314,10 +314,10 @@ class StagedMPICommunicator(MPICommunicator):
 
             def body():
                 self._s_all_to_all(t, tmp, "all_reduce")
-                self._ordered_sum(tmp.view(N, c), mine)
+                ordered_sum(tmp.view(N, c), mine)
                 self._s_all_gather(mine, t, "all_reduce")  # in place: own block re-written as is
             return self._timed("all_reduce", body, async_op)
-        _reducible(t, "all_reduce")
+        check_reducible(t, "all_reduce")
         mpi_op = self._op(op)
         m = self.stager.chunk(1, t.dtype)
 
@@ -325,7 +325,7 @@ class StagedMPICommunicator(MPICommunicator):
             a, b = _span(n, m, k)
             h = self.stager.slot(s, t.dtype)[:b - a]
             return [(h, t[a:b])], lambda: self._mpi_call("all_reduce", lambda: self.comm.Allreduce(
-                MPIIN(), _arr(h, "all_reduce"), op=mpi_op)), [(t[a:b], h)]
+                MPIIN(), buffer_spec(h, "all_reduce"), op=mpi_op)), [(t[a:b], h)]
 
         return self._timed("all_reduce", lambda: self.stager.run(_chunks(n, m), plan), async_op)
 
@@ -353,7 +353,7 @@ class StagedMPICommunicator(MPICommunicator):
             a, b = _span(n, m, k)
             h = self.stager.slot(s, t.dtype)[:b - a]
             return [(h, t[a:b])] if me else [], lambda: self._mpi_call("broadcast", lambda: self.comm.Bcast(
-                _arr(h, "broadcast"), root=root)), [] if me else [(t[a:b], h)]
+                buffer_spec(h, "broadcast"), root=root)), [] if me else [(t[a:b], h)]
 
         self._timed("broadcast", lambda: self.stager.run(_chunks(n, m), plan), False)
 

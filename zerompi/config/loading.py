@@ -14,13 +14,13 @@ from .errors import ConfigError, fail
 from .zero import ZeroConfig
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
+def coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert a JSON/TOML/CLI value to the annotated type or fail naming the key."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):  # e.g. int | str: the first that fits
         for arg in typing.get_args(tp):
             try:
-                return _coerce(key, value, arg)
+                return coerce(key, value, arg)
             except ConfigError:
                 pass
         fail(key, value, "expected " + " or ".join(a.__name__ for a in typing.get_args(tp)))
@@ -36,7 +36,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             fail(key, value, f"expected {len(args)} values")
-        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+        return tuple(coerce(key, v, a) for v, a in zip(value, args))
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
@@ -78,14 +78,14 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
             fail(key, v, f"unknown key (valid: {', '.join(sorted(names))})")
-        kwargs[k] = _coerce(key, v, hints[k])
+        kwargs[k] = coerce(key, v, hints[k])
     try:
         return cls(**kwargs)  # the section's own checks (__post_init__) name local keys
     except ConfigError as e:
         raise e.under(prefix) from None
 
 
-def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+def set_dotted(d: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     for p in parts[:-1]:
         sub = d.setdefault(p, {})
@@ -167,7 +167,7 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
         if not isinstance(overrides, Mapping):
             overrides = parse_overrides(overrides)
         for k, v in overrides.items():
-            _set_dotted(data, k, v)
+            set_dotted(data, k, v)
     cfg = _build(cls, data)
     if ds is not None:
         from .deepspeed_report import announce, effective

@@ -19,7 +19,7 @@ from . import _loader
 from .adamw import adamw_apply, check_adamw_arrays
 from .cast import to_float32
 from .grad_stats import THREADS as STATS_THREADS
-from .grad_stats import _strided_sums, _tree
+from .grad_stats import strided_sums, tree_sum
 
 SOURCE = "adamw_table.cu"
 TILE = 8192  # elements per tile: 32 per thread at 256 threads
@@ -141,9 +141,9 @@ def grad_stats_table_reference(grad, table: Table, weights, chunk: int = 256):
             acc = np.zeros((tl.shape[0], T))
             for c in range(0, width, T):  # thread t: elements t, t+T, ... in order
                 acc += sq[:, c:c + T]
-            parts[lo:lo + chunk] = _tree(acc) * weights[tl[:, 0]]
+            parts[lo:lo + chunk] = tree_sum(acc) * weights[tl[:, 0]]
     with np.errstate(all="ignore"):
-        total = float(_tree(_strided_sums(parts, T)))
+        total = float(tree_sum(strided_sums(parts, T)))
     return (float("inf") if overflow else total), overflow
 
 

@@ -16,7 +16,7 @@ def num_blocks(n: int) -> int:
     return max(1, min(-(-n // (THREADS * 8)), MAX_BLOCKS))
 
 
-def _tree(x: np.ndarray) -> np.ndarray:
+def tree_sum(x: np.ndarray) -> np.ndarray:
     """The kernel's shared-memory tree over the last axis (length THREADS)."""
     x = x.copy()
     s = THREADS // 2
@@ -26,7 +26,7 @@ def _tree(x: np.ndarray) -> np.ndarray:
     return x[..., 0]
 
 
-def _strided_sums(vals: np.ndarray, width: int) -> np.ndarray:
+def strided_sums(vals: np.ndarray, width: int) -> np.ndarray:
     """acc[t] = vals[t] + vals[t+width] + ... summed left to right (grid-stride order)."""
     acc = np.zeros(width, np.float64)
     for i in range(0, vals.size, width):
@@ -48,9 +48,9 @@ def grad_stats_reference(grad: np.ndarray, *, exact_order: bool = False):
         if not exact_order:
             return float(np.sum(sq)), overflow
         blocks = num_blocks(x.size)
-        per_thread = _strided_sums(sq, blocks * THREADS)
-        parts = _tree(per_thread.reshape(blocks, THREADS))
-        total = _tree(_strided_sums(parts, THREADS))
+        per_thread = strided_sums(sq, blocks * THREADS)
+        parts = tree_sum(per_thread.reshape(blocks, THREADS))
+        total = tree_sum(strided_sums(parts, THREADS))
     return float(total), overflow
 
 

@@ -1,5 +1,5 @@
 """Optimizers over a rank's shard: the segment table and the host AdamW (adamw.py), and
-the same update as one table-driven CUDA launch per shard (fused_adamw.py, issue 11;
+the same update as one table-driven CUDA launch per shard (fused_adamw.py;
 its logic runs on the CPU through the kernels' numpy references), and torch's fused CPU
 AdamW over the host shard for the offloaded optimizer (host_fused.py).
 

@@ -12,7 +12,7 @@ identical to torch on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn

@@ -1,11 +1,10 @@
 """ShardedAdamW's update on the host through torch's fused CPU AdamW kernel.
 
 Why: with the optimizer offloaded (ZeRO-Offload) the host update is the step's time.
-ShardedAdamW's per-segment torch ops make ~10 passes over the shard's memory, two of
-them allocating temporaries; the 1B GPT on the H100 machine's 16 cores took 5.2 s a step
-that way (benchmarks/results/gpu/h100-2026-11-27). torch._fused_adamw_ (the kernel behind
+ShardedAdamW's per-segment torch ops make about ten passes over the shard's memory, two
+of them allocating temporaries. torch._fused_adamw_ (the kernel behind
 torch.optim.AdamW(fused=True) on the CPU) reads and writes each element once, vectorised
-and multi-threaded: ~9x faster on this repository's 2-core CPU machine.
+and multi-threaded (the measured difference: docs/performance.md, "Offload host pass").
 
 Not bitwise torch's single-tensor path (the fused arithmetic rounds differently, within a
 few ulps per step), which is why the engine uses it only for the offloaded optimizer on a

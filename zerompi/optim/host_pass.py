@@ -1,4 +1,4 @@
-"""The offloaded optimizer's update as one fused pass over the host shard (issue 40).
+"""The offloaded optimizer's update as one fused pass over the host shard.
 
 HostPassAdamW keeps ShardedAdamW's bookkeeping (segments, steps, param_groups,
 state_dict; its views are whatever the caller gives, zero/offload.py: the device's) and

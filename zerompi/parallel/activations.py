@@ -1,4 +1,4 @@
-"""ZeRO-R activation checkpointing at block boundaries (issue 15; docs/activation-checkpointing.md).
+"""ZeRO-R activation checkpointing at block boundaries (docs/activation-checkpointing.md).
 
     acts = activations.apply(model, cfg.activation_checkpointing, dims.tp, placement)
 

@@ -1,7 +1,9 @@
 """What a job needs around the training itself: MPI start-up and whole-job abort
 (abort.py), cross-rank agreement (agree.py), glibc heap helpers (malloc.py), deadlines
 on collective waits and stop signals (watchdog.py), the run directory's lock
-(rundir.py), atomic file writes (fileio.py), the collector after start-up (pygc.py).
+(rundir.py), atomic file writes (fileio.py), the collector after start-up (pygc.py),
+running a job on this machine and ending it cleanly (jobs.py: the tests' and benchmarks'
+launcher; imported on its own, not here).
 
 `zerompi.runtime.X` keeps every name it had when runtime was one module."""
 from .abort import (JobError, abort, exit_together, init, install_abort_hook, mpi, one_line_job_errors,

@@ -23,11 +23,7 @@ def fix_mmap_threshold() -> None:
     so after the first freed activation or gradient, blocks of that size come from the
     heap, where short-lived activations and gradients interleave and freed memory cannot
     go back to the OS. Pinned, they are mmapped and returned at once, but every fresh page
-    then costs a fault. Measured on "vm" (stage 3, benchmarks/results/compare_mmap_threshold.*,
-    before the gather pool, when gathered units went through malloc too): 135M GPT at
-    N = 4, peak RSS in steps 1.67 -> 1.13 GiB per rank, step time 9.9 -> 11.4 s; geometric
-    mean over 17M/135M at N = 2, 4: RSS x0.79, step time x1.24. With the pool the default
-    gives 1.19-1.23 GiB there, pinned 1.13 (one run)."""
+    then costs a fault: less memory, slower steps (docs/performance.md, "Stage-3 memory")."""
     global _mmap_fixed
     if _mmap_fixed or "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("ZEROMPI_MALLOC") != "return":
         return

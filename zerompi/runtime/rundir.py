@@ -38,14 +38,15 @@ class RunDirBusy(JobError):
     exit_code = 5
 
 
-def _me() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
+def identity() -> dict:
+    """This process as a lock or marker file records it (a holder a later job can check)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time(os.getpid()),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """Kernel start time of a live process (guards against a recycled pid); None when it
     is gone or a zombie (dead: in containers whose init does not reap, killed ranks stay
     zombies indefinitely)."""
@@ -71,9 +72,9 @@ def _stale(holder: dict, age: float, me: dict) -> str | None:
         return "an earlier run of this Slurm job (requeued)"
     if holder.get("host") == me["host"]:
         pid = holder.get("pid")
-        if not isinstance(pid, int) or _start_time(pid) is None:
+        if not isinstance(pid, int) or start_time(pid) is None:
             return "its process is gone"
-        if holder.get("start") and _start_time(pid) != holder["start"]:
+        if holder.get("start") and start_time(pid) != holder["start"]:
             return "its process is gone (pid reused)"
         return None
     if age > STALE_S:
@@ -86,7 +87,7 @@ class RunLock:
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK
-        self.me = _me()
+        self.me = identity()
         self._stop = threading.Event()
         self.took_over: str | None = None
 

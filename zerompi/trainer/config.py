@@ -14,47 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import loading as config
-from ..config.errors import fail
+from ..config.errors import ConfigError, fail
 from ..config.loading import parse_overrides
 from ..config.zero import ZeroConfig
-from ..models.gpt_config import PRESETS
+from .model_config import ModelConfig
 from .schedule import KINDS
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which GPT to train: a preset from zerompi.models.gpt_config.PRESETS, optionally reshaped."""
-
-    preset: str = "tiny"
-    """tiny | small | gpt-20m | gpt-200m | gpt2 | gpt-1b."""
-    n_layer: int = 0
-    """Transformer blocks; 0 keeps the preset's value (same for n_head, n_embd, vocab_size)."""
-    n_head: int = 0
-    n_embd: int = 0
-    vocab_size: int = 0
-    dropout: float = 0.0
-    """Dropout probability (every preset uses 0)."""
-    bias: bool = True
-    """Linear and LayerNorm biases (every preset has them)."""
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
-        for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
-            if getattr(self, k) < 0:
-                fail(k, getattr(self, k), "must be >= 0 (0 = the preset's)")
-        if not 0.0 <= self.dropout < 1.0:
-            fail("dropout", self.dropout, "must be in [0, 1)")
-        self.gpt_config()  # n_embd divisible by n_head
-
-    def gpt_config(self):
-        base = PRESETS[self.preset]
-        changes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
-                   if getattr(self, k)}
-        try:
-            return dataclasses.replace(base, dropout=self.dropout, bias=self.bias, **changes)
-        except ValueError as e:  # n_embd not divisible by n_head
-            fail("n_head", self.n_head or base.n_head, str(e))
 
 
 @dataclass(frozen=True)
@@ -67,13 +31,13 @@ class CheckpointConfig:
     more copy of this rank's optimizer state in host memory) and written in the background
     while training goes on; each is published at a later step boundary once every rank
     wrote its file. false (default): every save blocks all ranks until it is written; on
-    the measured 2-core VM a background write cost training about as much time as the
-    synchronous save it replaced (docs/checkpoints.md, "Asynchronous saves", Measured).
+    a CPU machine with few cores a background write can cost training as much time as the
+    synchronous save it replaces (docs/checkpoints.md, "Asynchronous saves", Measured).
     The final and stop-signal checkpoints are always written at once."""
     writer: str = "process"
     """process | thread: where the background write runs, a low-priority helper process
-    per rank (no GIL shared with training: its writes finished 2-10x sooner than the
-    thread's on the 2-core VM, docs/checkpoints.md) or a low-priority thread."""
+    per rank (no GIL shared with training: its writes finish sooner than the thread's,
+    docs/checkpoints.md) or a low-priority thread."""
 
     def __post_init__(self) -> None:
         if self.writer not in ("thread", "process"):
@@ -85,11 +49,36 @@ class TrainConfig:
     """Everything one training run needs. The engine's settings live in `zero`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    init_from: str = ""
+    """A local Hugging Face checkpoint directory (config.json, model.safetensors or
+    sharded with model.safetensors.index.json) whose weights start the run, at any stage
+    and world size, streamed one tensor at a time (docs/models.md). The model's shape is
+    its config.json unless model.config says otherwise. Not used when the run resumes
+    from a checkpoint of its own."""
+    tokenizer: str = ""
+    """The tokenizer the data was made with (a tokenizer.json, or a directory of
+    tokenizer files); `python -m zerompi.export --hf` copies its files."""
     data: str = "default"
-    """'default' (byte-level Python stdlib, built on first use), a .bin token file,
-    or file.h5:/dataset."""
+    """'default' (byte-level Python stdlib, built on first use), a token file (.bin with
+    its sidecar or header, Megatron .bin+.idx, llm.c shard, .npy, file.h5[:/dataset]), a
+    folder of them, a glob, a comma-separated list, or a `python -m zerompi.prepare`
+    output folder (its train/ shards, its val/ ones for validation). docs/data.md."""
+    data_val: str = ""
+    """Validation tokens, named like data; empty: the last val_fraction of data's tokens
+    (or a prepare folder's val/ shards)."""
+    data_dtype: str = ""
+    """uint8 | uint16 | uint32 | int32: what a headerless token file (no header, no .json
+    sidecar) holds. Such a file is refused without it."""
+    data_order: str = "random"
+    """random | epoch. random: each step draws its windows at random (with replacement),
+    seeded by (seed, step). epoch: the non-overlapping windows in epochs without
+    replacement, in a seeded order independent of the world size; a resumed run continues
+    at the checkpoint's position (data/epoch.py)."""
+    doc_mask: bool = False
+    """No attention across document boundaries: the model gets doc_ids (needs data that
+    records its documents: prepare's shards, Megatron .bin+.idx)."""
     val_fraction: float = 0.05
-    """Last fraction of the tokens held out for validation."""
+    """Last fraction of the tokens held out for validation (when data_val names none)."""
     block_size: int = 0
     """Tokens per training sequence; 0 = the model's context length (must be <= it)."""
     global_batch: int = 32
@@ -159,6 +148,14 @@ class TrainConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
+        if self.init_from and not self.model.config:
+            # the checkpoint's own shape, recorded in config.json and checkpoints as such
+            try:
+                object.__setattr__(self, "model", dataclasses.replace(self.model, config=self.init_from))
+            except ConfigError as e:
+                fail("init_from", self.init_from, e.why)
+        if self.tokenizer and not os.path.exists(self.tokenizer):
+            fail("tokenizer", self.tokenizer, "no such file or directory")
         positive = ("global_batch",)
         non_negative = ("block_size", "max_steps", "warmup_steps", "lr_decay_steps", "eval_interval",
                         "checkpoint_interval", "keep_last", "threads")
@@ -174,7 +171,11 @@ class TrainConfig:
             fail("log_interval", self.log_interval, "must be >= 1")
         if not 0.0 <= self.val_fraction < 1.0:
             fail("val_fraction", self.val_fraction, "must be in [0, 1)")
-        if self.eval_interval and self.val_fraction == 0:
+        if self.data_dtype not in ("", "uint8", "uint16", "uint32", "int32"):
+            fail("data_dtype", self.data_dtype, "must be uint8, uint16, uint32 or int32")
+        if self.data_order not in ("random", "epoch"):
+            fail("data_order", self.data_order, "must be random or epoch")
+        if self.eval_interval and self.val_fraction == 0 and not self.data_val:
             fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
         if self.zero.optimizer.type != "adamw":
             fail("zero.optimizer.type", self.zero.optimizer.type, "the trainer trains with AdamW (SGD and Adagrad "
@@ -191,9 +192,9 @@ class TrainConfig:
         if self.lr_schedule not in ("deepspeed_warmup", "deepspeed_warmup_decay") \
                 and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
             fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
-        if self.block_size > self.model.gpt_config().block_size:
+        if self.block_size > self.model.shape().block_size:
             fail("block_size", self.block_size,
-                  f"must be <= the model's context length {self.model.gpt_config().block_size}")
+                  f"must be <= the model's context length {self.model.shape().block_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", self.device, "must be auto, cpu or cuda")
         if self.progress not in ("auto", "bar", "lines", "none"):
@@ -205,13 +206,24 @@ class TrainConfig:
 
     @property
     def seq_len(self) -> int:
-        return self.block_size or self.model.gpt_config().block_size
+        return self.block_size or self.model.shape().block_size
 
 
 def load(source: "str | os.PathLike | dict | None" = None,
          overrides: "dict[str, Any] | Sequence[str] | None" = None) -> TrainConfig:
     """TrainConfig from a TOML/JSON file or dict plus dotted overrides."""
-    return config.load(source, overrides, cls=TrainConfig)
+    from ..config.errors import ConfigError
+
+    try:
+        return config.load(source, overrides, cls=TrainConfig)
+    except ConfigError as e:
+        if e.key == "data" and isinstance(e.value, dict) and e.value:
+            k, v = next(iter(e.value.items()))  # `data.dtype` / a [data] table: name the key as typed
+            flat = {"dtype": "data_dtype", "val": "data_val", "order": "data_order", "doc_mask": "doc_mask"}
+            raise ConfigError(f"data.{k}", v, "data is one string (the token source); the other data keys "
+                              f"are flat: {flat.get(k, 'data_val, data_dtype, data_order, doc_mask')} "
+                              "(docs/data.md)") from None
+        raise
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:
@@ -247,7 +259,7 @@ def value_of(data: dict, key: str) -> Any:
     for part in key.split("."):
         cls, default = typing.get_type_hints(cls)[part], getattr(default, part)
         v = v.get(part, dataclasses.MISSING) if isinstance(v, dict) else dataclasses.MISSING
-    return default if v is dataclasses.MISSING else config._coerce(key, v, cls)
+    return default if v is dataclasses.MISSING else config.coerce(key, v, cls)
 
 
 def _dotted(d: dict, prefix: str = "") -> dict:
@@ -272,7 +284,7 @@ def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
     base = config.read_file(config_path) if config_path else {}
     run_data = json.loads(json.dumps(base))
     for k, v in overrides.items():
-        config._set_dotted(run_data, k, v)
+        config.set_dotted(run_data, k, v)
     ranks, tp = deepspeed.ranks(), value_of(run_data, "zero.tensor_parallel_size")
     if tp < 1 or ranks % tp:
         raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({ranks})")
@@ -284,15 +296,15 @@ def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
     data, replaced, beaten = json.loads(json.dumps(base)), [], []
     for key, v in {**_dotted({"zero": t.zero}), **t.trainer}.items():
         tmp: dict = {}
-        config._set_dotted(tmp, key, v)
+        config.set_dotted(tmp, key, v)
         new, old = value_of(tmp, key), value_of(base, key)
         if key in overrides:
             beaten.append(key)
         elif _dotted(base).get(key, dataclasses.MISSING) is not dataclasses.MISSING and old != new:
             replaced.append(f"{key} {_show(old)} -> {_show(new)}")
-        config._set_dotted(data, key, v)
+        config.set_dotted(data, key, v)
     for k, v in overrides.items():
-        config._set_dotted(data, k, v)
+        config.set_dotted(data, k, v)
     lr, low = value_of(data, "zero.optimizer.lr"), value_of(data, "min_lr")
     if t.lr_key and "zero.optimizer.lr" not in overrides and "min_lr" not in t.trainer \
             and value_of(data, "lr_schedule") != "deepspeed_warmup" and low > lr:

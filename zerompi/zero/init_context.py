@@ -53,8 +53,8 @@ class Session:
         return None
 
     def on_module(self, parent: nn.Module, name: str, child):
-        if child is not None and child not in ip._PARENT:  # registered twice: first name
-            ip._PARENT[child] = (weakref.ref(parent), name)
+        if child is not None and child not in ip.PARENT:  # registered twice: first name
+            ip.PARENT[child] = (weakref.ref(parent), name)
         return None
 
     # -------------------------------------------------------------- the LRU of full ones
@@ -86,7 +86,7 @@ class Session:
     def log(self, held: list, func) -> None:
         # parameters numbered by first appearance in this block: the same on every rank
         keys = [self.index.setdefault(id(q._zero_init), (len(self.index), q._zero_init))[0] for q in held]
-        entry = ",".join(map(str, keys)) + ":" + ip._name(func)
+        entry = ",".join(map(str, keys)) + ":" + ip.op_name(func)
         self.ops.append(entry)
         self.crc = zlib.crc32(entry.encode(), self.crc)
 
@@ -156,15 +156,15 @@ class Init:
         self._handles: list = []
 
     def __enter__(self) -> "Init":
-        if ip._ACTIVE:  # nested (a Build() that opens its own Init): the outer block rules
-            self.session, self._handles = ip._ACTIVE[-1], None
+        if ip.ACTIVE:  # nested (a Build() that opens its own Init): the outer block rules
+            self.session, self._handles = ip.ACTIVE[-1], None
             return self
         torch.manual_seed(self.seed)  # same full values on every rank
         s = self.session = Session(self.comm, self.keep_full, self.timeout)
         reg = nn.modules.module
         self._handles = [reg.register_module_parameter_registration_hook(s.on_param),
                          reg.register_module_module_registration_hook(s.on_module)]
-        ip._ACTIVE.append(s)
+        ip.ACTIVE.append(s)
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -173,7 +173,7 @@ class Init:
         for h in self._handles:
             h.remove()
         s = self.session
-        ip._ACTIVE.remove(s)
+        ip.ACTIVE.remove(s)
         s.close()
         runtime.release_free_memory()  # the freed full parameters, see runtime/malloc.py
         if exc_type is None:  # after an error, peers may never reach this collective
@@ -196,12 +196,12 @@ def adopt(p: nn.Parameter) -> torch.Tensor:
         raise RuntimeError(f"zerompi init_context.adopt: {rec.describe()} is inside an open "
                            "GatheredParameters block")
     full = rec.gather()
-    for s in ip._ACTIVE:
+    for s in ip.ACTIVE:
         s.lru.pop(id(p), None)
     shape, dtype, device = p.shape, p.dtype, p.device
     del p._zero_init  # ZeroInitParameter.__delattr__ makes it a plain Parameter again
     with torch.no_grad():
-        p.data = ip._placeholder(shape, dtype, device)
+        p.data = ip.placeholder(shape, dtype, device)
     return full
 
 
@@ -226,7 +226,7 @@ def GatheredParameters(params: Iterable[nn.Parameter] | nn.Module, engine=None,
     for p in held:
         rec = p._zero_init
         if rec.full:
-            for s in ip._ACTIVE:  # pinned: no LRU may partition it inside the block
+            for s in ip.ACTIVE:  # pinned: no LRU may partition it inside the block
                 s.lru.pop(id(p), None)
         else:
             ip.materialize(p)

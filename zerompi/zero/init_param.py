@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 
-_ACTIVE: list = []  # init_context.Session of each open Init block; the innermost caches and logs
-_PARENT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> (parent ref, name)
+ACTIVE: list = []  # init_context.Session of each open Init block; the innermost caches and logs
+PARENT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> (parent ref, name)
 
 _T = torch.Tensor
 _META = {getattr(_T, n).__get__ for n in (
@@ -69,14 +69,14 @@ _OVERWRITE |= {getattr(nn.init, n) for n in (
 _CONVERT = {_T.to, _T.cpu, _T.type, _T.float, _T.double, _T.half, _T.bfloat16}
 
 
-def _name(func) -> str:
+def op_name(func) -> str:
     n = getattr(func, "__name__", None) or str(func)
     if n in ("__get__", "__set__"):  # a property: say which
         n = f"{getattr(getattr(func, '__self__', None), '__name__', '?')}.{n}"
     return n
 
 
-def _placeholder(shape, dtype, device) -> torch.Tensor:
+def placeholder(shape, dtype, device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     t.untyped_storage().resize_(0)
     return t
@@ -111,8 +111,8 @@ class InitRecord:
         """Dotted name from the outermost module seen registering it (names are known
         only once the parents register their children, so computed on demand)."""
         parts, m = [self.attr], self.owner() if self.owner is not None else None
-        while m is not None and m in _PARENT:
-            parent, name = _PARENT[m]
+        while m is not None and m in PARENT:
+            parent, name = PARENT[m]
             parts.append(name)
             m = parent()
         return ".".join(reversed(parts))
@@ -154,7 +154,7 @@ class ZeroInitParameter(nn.Parameter):
                 return func(*args, **kwargs)
         every = _held(args, kwargs)
         held = list(dict.fromkeys(every))  # once each, in order (hash is id-based)
-        session = _ACTIVE[-1] if _ACTIVE else None
+        session = ACTIVE[-1] if ACTIVE else None
         if session is not None:  # bringing one argument in must not push another out
             session.busy = {id(q) for q in held}
         for p in held:
@@ -170,13 +170,13 @@ class ZeroInitParameter(nn.Parameter):
             if session is None:
                 raise RuntimeError(
                     f"zerompi.Init: {rec.describe()} is partitioned over {rec.world} ranks and has "
-                    f"no full values outside the `with zerompi.Init(...)` block, but `{_name(func)}` "
+                    f"no full values outside the `with zerompi.Init(...)` block, but `{op_name(func)}` "
                     "needs them. Do it inside the Init block, inside `with zerompi.GatheredParameters"
                     "([param]):` (every rank), or load weights with engine.load_full_state_dict().")
             # no gather when the op writes every element and reads no other copy of p
             overwrite = (func in _OVERWRITE and _target(args, kwargs) is p
                          and sum(x is p for x in every) == 1)
-            session.bring(p, overwrite=overwrite, op=_name(func))
+            session.bring(p, overwrite=overwrite, op=op_name(func))
         if session is None:
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -196,7 +196,7 @@ class ZeroInitParameter(nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         rec = self._zero_init
-        data = raw(self).clone() if rec.full else _placeholder(rec.shape, rec.dtype, self.device)
+        data = raw(self).clone() if rec.full else placeholder(rec.shape, rec.dtype, self.device)
         new = nn.Parameter(data, self.requires_grad)
         owner = rec.owner() if rec.owner is not None else None
         _link_copies(owner, memo)
@@ -205,8 +205,8 @@ class ZeroInitParameter(nn.Parameter):
             nrec = new._zero_init
             nrec.piece, nrec.chunk = rec.piece.clone(), rec.chunk
             nrec.shape, nrec.dtype, nrec.numel = rec.shape, rec.dtype, rec.numel
-        elif _ACTIVE:
-            _ACTIVE[-1].added(new)
+        elif ACTIVE:
+            ACTIVE[-1].added(new)
         else:
             partition(new)
         memo[id(self)] = new
@@ -222,12 +222,12 @@ class ZeroInitParameter(nn.Parameter):
 def _link_copies(m, memo) -> None:
     """Deep copies of modules fire no registration hooks: give the copies of `m` and its
     copied ancestors the same names as the originals."""
-    while m is not None and m in _PARENT and id(m) in memo:
-        parent_ref, name = _PARENT[m]
+    while m is not None and m in PARENT and id(m) in memo:
+        parent_ref, name = PARENT[m]
         parent = parent_ref()
         if parent is None or id(parent) not in memo:
             return
-        _PARENT.setdefault(memo[id(m)], (weakref.ref(memo[id(parent)]), name))
+        PARENT.setdefault(memo[id(m)], (weakref.ref(memo[id(parent)]), name))
         m = parent
 
 
@@ -283,7 +283,7 @@ def partition(p: ZeroInitParameter) -> None:
     seg = full.reshape(-1)[rec.rank * rec.chunk:(rec.rank + 1) * rec.chunk]
     piece[:seg.numel()].copy_(seg)
     rec.piece = piece
-    _set_raw(p, _placeholder(rec.shape, rec.dtype, full.device))
+    _set_raw(p, placeholder(rec.shape, rec.dtype, full.device))
 
 
 def materialize(p: ZeroInitParameter, overwrite: bool = False, timeout: float | None = None) -> None:

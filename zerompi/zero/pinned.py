@@ -3,8 +3,8 @@ with cudaHostRegister when they feed a GPU.
 
 Why not torch.empty(pin_memory=True): torch's pinned caching allocator rounds every
 request up to a power of two (a 2.4 GB staging buffer takes 4 GiB of locked memory) and
-was measured 4.5x slower to allocate than registering ordinary pages
-(benchmarks/bench_pinned_alloc.py). The pages registered are whole pages inside a
+is slower to allocate than registering ordinary pages (docs/performance.md, "Offload host
+pass"). The pages registered are whole pages inside a
 numpy allocation of our own (one page of slack on each side), so no other allocation
 shares a registered page; the registration is undone when the last tensor viewing the
 buffer is freed, before numpy frees the memory (numpy clears weak references first).

@@ -1,9 +1,9 @@
-"""A short table of bench_gpu_e2e.py results, for the end of gpu_acceptance.sh's log.
+"""A short table of bench_gpu_e2e.py results, for the end of the acceptance log (run.sh).
 
-    python benchmarks/e2e_summary.py e2e.json [e2e_1b.json ...]
+    python benchmarks/gpu_acceptance/e2e_summary.py e2e.json [e2e_1b.json ...]
 
 Per system: tokens/s, the ratio to plain torch (median over the rounds, [min-max]), the
-target it is held to (issue 40: stages 0-2 >= 0.95x at GPT-2 124M and >= 0.97x at the 1B
+target it is held to (stages 0-2 >= 0.95x at GPT-2 124M and >= 0.97x at the 1B
 preset; stage 3 >= 0.90x at 1B and at least FSDP2's ratio) with ok/MISS on the median,
 the device-busy fraction (the profiled step's kernel-interval union over the timed step's
 time), peak memory, and cProfile's host Python time per step. A file that is missing or

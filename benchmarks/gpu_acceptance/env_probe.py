@@ -1,6 +1,6 @@
-"""Step 1 of benchmarks/gpu_acceptance.sh: what this machine offers the GPU path, as JSON.
+"""Step 1 of the GPU acceptance run (run.sh here): what this machine offers the GPU path, as JSON.
 
-    python benchmarks/gpu_env_probe.py OUT.json
+    python benchmarks/gpu_acceptance/env_probe.py OUT.json
 
 GPU, driver, compute mode (nvidia-smi), torch and its CUDA (and whether torch.distributed
 has NCCL and FSDP2), cupy, whether NCCL loads (and a one-rank NCCL communicator can be
@@ -23,7 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_env import ROOT  # also puts this checkout first on sys.path
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # this checkout's zerompi, not an installed one
+    sys.path.insert(0, str(ROOT))
 
 # dense bf16 FLOP/s per GPU by name (vendor datasheets), for MFU; 0 when unknown
 PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]

@@ -1,16 +1,16 @@
-"""Step 2 of benchmarks/gpu_acceptance.sh: two ranks, the collectives the engine needs.
+"""Step 2 of the GPU acceptance run (run.sh here): two ranks, the collectives the engine needs.
 
-    mpiexec -n 2 python -m mpi4py benchmarks/mpi_smoke.py
+    mpiexec -n 2 python -m mpi4py benchmarks/gpu_acceptance/mpi_smoke.py
 
 An ordered all-reduce and a gather of CPU tensors over MPI; where a GPU is visible,
 the same on CUDA tensors through the communicator comm.create picks for it (ranks
 sharing one GPU: MPI staged through pinned host memory). Rank 0 prints one JSON line.
+run.sh puts this checkout first on PYTHONPATH.
 """
 import json
 
 import torch
 
-import bench_env  # noqa: F401  (puts this checkout first on sys.path)
 from zerompi.comm import create
 from zerompi.runtime import init
 

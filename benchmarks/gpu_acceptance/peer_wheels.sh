@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The DeepSpeed wheel set for gpu_acceptance.sh's peers step, made where PyPI is reachable:
+# The DeepSpeed wheel set for the GPU acceptance run's peers step (run.sh here), made where PyPI is reachable:
 #
-#   bash benchmarks/peer_wheels.sh DIR     # then carry DIR to the GPU machine, --wheels DIR
+#   bash benchmarks/gpu_acceptance/peer_wheels.sh DIR     # then carry DIR to the GPU machine, --wheels DIR
 #
 # deepspeed 0.19.8 is on PyPI as an sdist only: it is built here into a pure-Python wheel
 # with DS_BUILD_OPS=0 (no compiled op; the benchmark gives DeepSpeed torch's AdamW, so none
