@@ -38,8 +38,10 @@ setup(
         # transformers: tests build BERT, T5, GPT-2, Llama, Mixtral from configs (no download);
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time;
         # tensorboard, wandb: the trainer's logging is read back (offline W&B: no network)
-        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12", "pyarrow>=12",
-                 "tensorboard>=2.10", "wandb>=0.16"],
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "accelerate>=1.1", "nvidia-cuda-nvrtc-cu12",
+                 "pyarrow>=12", "tensorboard>=2.10", "wandb>=0.16"],
+        # the Hugging Face Trainer on zerompi (zerompi/integrations/transformers.py): the Trainer needs accelerate
+        "hf": ["transformers>=4.40", "accelerate>=1.1"],
         # python -m zerompi.prepare: Parquet input and tokenizer.json tokenizers (docs/data.md)
         "data": ["pyarrow>=12", "tokenizers>=0.15"],
     },

@@ -43,6 +43,13 @@ def _run(engine_or_opt, steps, sched=None):
     return lrs
 
 
+
+def init(*args, **kwargs):
+    """zerompi.initialize's engine: a call with DeepSpeed's arguments returns DeepSpeed's
+    4-tuple (integrations/initialize.py); torch.distributed is not needed here."""
+    out = zerompi.initialize(*args, dist_init_required=False, **kwargs)
+    return out[0]
+
 CFG = {"stage": 1, "gradient_clipping": 0.0}
 
 
@@ -61,7 +68,7 @@ def test_an_optimizer_instance_and_its_scheduler_carry_over(make):
     model = Tiny()
     opt = make(decay_groups(model, 0.1))
     sched = L.LambdaLR(opt, [lambda s: 0.8 ** s, lambda s: 1.0 / (1 + s)])
-    engine = zerompi.initialize(model, CFG, optimizer=opt, lr_scheduler=sched)
+    engine = init(model, CFG, optimizer=opt, lr_scheduler=sched)
     assert engine.lr_scheduler is sched and sched.optimizer is engine.optimizer
     assert engine.config.optimizer.type == type(opt).__name__.lower()
     assert len(engine.param_groups) == 2
@@ -72,15 +79,15 @@ def test_an_optimizer_instance_and_its_scheduler_carry_over(make):
 
 
 def test_classes_factories_and_model_parameters():
-    e = zerompi.initialize(Tiny(), CFG, optimizer=torch.optim.AdamW,
+    e = init(Tiny(), CFG, optimizer=torch.optim.AdamW,
                            lr_scheduler=lambda o: L.StepLR(o, 1, gamma=0.5))
     assert e.config.optimizer.lr == 1e-3 and e.config.optimizer.weight_decay == 0.01  # torch's defaults
     _run(e, 2)
     assert e.param_groups[0]["lr"] == pytest.approx(1e-3 / 4)
     m = Tiny()
-    e = zerompi.initialize(m, CFG, model_parameters=decay_groups(m, 0.2))
+    e = init(m, CFG, model_parameters=decay_groups(m, 0.2))
     assert [g["weight_decay"] for g in e.param_groups] == [0.2, 0.0]
-    adam = zerompi.initialize(Tiny(), CFG, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+    adam = init(Tiny(), CFG, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
     assert adam.config.optimizer.type == "adamw" and adam.config.optimizer.weight_decay == 0.0
 
 
@@ -99,17 +106,17 @@ class Adafactor(torch.optim.Optimizer):
 ])
 def test_refused_optimizers_are_named(opt, match):
     with pytest.raises(ValueError, match=match):
-        zerompi.initialize(Tiny(), CFG, optimizer=opt)
+        init(Tiny(), CFG, optimizer=opt)
 
 
 def test_refusals_of_the_arguments():
     m = Tiny()
     with pytest.raises(ValueError, match="not in its param groups.*a.weight"):
-        zerompi.initialize(m, CFG, optimizer=torch.optim.SGD([m.b.weight, m.b.bias, m.a.bias], lr=0.1))
+        init(m, CFG, optimizer=torch.optim.SGD([m.b.weight, m.b.bias, m.a.bias], lr=0.1))
     with pytest.raises(ValueError, match="ReduceLROnPlateau"):
-        zerompi.initialize(Tiny(), CFG, lr_scheduler=L.ReduceLROnPlateau)
+        init(Tiny(), CFG, lr_scheduler=L.ReduceLROnPlateau)
     with pytest.raises(ValueError, match="param_groups or optimizer"):
-        zerompi.initialize(m, CFG, optimizer=torch.optim.AdamW, param_groups=decay_groups(m, 0.1))
+        init(m, CFG, optimizer=torch.optim.AdamW, param_groups=decay_groups(m, 0.1))
 
 
 def test_a_deepspeed_scheduler_block_becomes_engine_lr_scheduler():
@@ -117,26 +124,26 @@ def test_a_deepspeed_scheduler_block_becomes_engine_lr_scheduler():
           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
                                                              "warmup_max_lr": 0.01, "warmup_type": "linear"}}}
-    e = zerompi.initialize(Tiny(), ds)
+    e = init(Tiny(), ds)
     assert type(e.lr_scheduler).__name__ == "DeepSpeedLR" and e.param_groups[0]["lr"] == 0.0
     assert [lr[0] for lr in _run(e, 6)] == pytest.approx([0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025])  # after updates 0..5
     # a scheduler argument wins over the block, as in DeepSpeed
-    e = zerompi.initialize(Tiny(), ds, lr_scheduler=lambda o: L.StepLR(o, 1))
+    e = init(Tiny(), ds, lr_scheduler=lambda o: L.StepLR(o, 1))
     assert isinstance(e.lr_scheduler, L.StepLR)
     ds["scheduler"]["params"]["warmup_num_steps"] = "auto"
     with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps.*auto"):
-        zerompi.initialize(Tiny(), ds)
+        init(Tiny(), ds)
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     """SGD's momentum buffer sits where AdamW's exp_avg does: loading one's checkpoint into
     the other's engine must fail, naming both, not train on with the wrong state."""
-    sgd = zerompi.initialize(Tiny(), CFG, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    sgd = init(Tiny(), CFG, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     _run(sgd, 1)
     sgd.save_checkpoint(tmp_path / "sgd")
-    adamw = zerompi.initialize(Tiny(), CFG)
+    adamw = init(Tiny(), CFG)
     with pytest.raises(Exception, match="another optimizer.*adamw"):
         adamw.load_checkpoint(tmp_path / "sgd")
-    again = zerompi.initialize(Tiny(), CFG, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    again = init(Tiny(), CFG, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     again.load_checkpoint(tmp_path / "sgd")
     assert again.global_steps == 1 and again.optimizer.steps == sgd.optimizer.steps

@@ -48,7 +48,7 @@ def build(kind, stage):
     if kind in TORCH:
         cfg = {"stage": stage, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0, "bucket_size": 300}
         return zerompi.initialize(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01),
-                                  lr_scheduler=TORCH[kind])
+                                  lr_scheduler=TORCH[kind])[0]  # DeepSpeed's arguments: DeepSpeed's 4-tuple
     ds = {"train_micro_batch_size_per_gpu": ROWS // GAS // N, "gradient_accumulation_steps": GAS,
           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},

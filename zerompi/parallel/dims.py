@@ -92,8 +92,12 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg, world: Any = None, device: Any = None,
                     nodes: NodeLayout | None = None) -> "ParallelDims":
-        """The grid a ZeroConfig asks for (tensor_parallel_size, comm.backend) for
-        tensors on `device` (None: host)."""
+        """The grid a config asks for (tensor_parallel_size, comm.backend) for tensors on
+        `device` (None: host); `cfg` is a ZeroConfig, or a dict or path zerompi.load_config reads."""
+        if not hasattr(cfg, "tensor_parallel_size"):
+            from ..config import load
+
+            cfg = load(cfg)
         return cls.create(cfg.tensor_parallel_size, world=world, backend=cfg.comm.backend,
                           reduce_scatter=cfg.comm.reduce_scatter, device=device, nodes=nodes)
 

@@ -137,6 +137,17 @@ def waiting(op: str):
 
 
 @contextmanager
+def within(label: str):
+    """Name the public call the waits inside belong to ("engine.backward"): messages
+    say "all_reduce at step 3 during engine.backward". No deadline of its own."""
+    outer, S.label = S.label, label
+    try:
+        yield
+    finally:
+        S.label = outer
+
+
+@contextmanager
 def generous(label: str):
     """Waits inside get startup_timeout_s (checkpoint save/load: ranks wait for the
     slowest writer, which may take minutes on a big model); `label` goes in messages."""

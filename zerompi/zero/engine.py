@@ -28,7 +28,7 @@ from ..config import ZeroConfig
 from ..optim import build_groups, build_segments, schedulers
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
-from . import build, grads, load_full, state_io, step_coef
+from . import build, calls, grads, load_full, outputs, state_io, step_coef
 from . import groups as groups_mod
 from . import layout as layout_mod
 from . import offload as offload_mod
@@ -37,7 +37,11 @@ from .params import sync_untracked
 from .tensor_parallel_state import TPGrads, assemble_full
 
 
-class ZeroEngine:
+class ZeroEngine(calls.EngineFace):
+    """Collective methods (every rank of the engine calls them, at the same point; checked:
+    zero/calls.py): __call__, backward, step, full_state_dict, gathered, load_full_state_dict,
+    save_checkpoint, load_checkpoint, full_grads."""
+
     lr_scheduler = None  # a torch scheduler stepped after each applied update (zerompi.initialize)
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
@@ -110,20 +114,10 @@ class ZeroEngine:
         runtime.seed_everything(cfg.seed, self.rank)
         runtime.release_free_memory()
         watchdog.watch_engine(self)  # deadlines from cfg.comm; names the step on expiry
+        self._calls = calls.call_comm(dims)  # collective: the call checks' own communicator
 
     # ------------------------------------------------------------------ training API
     param_groups = property(lambda self: self.optimizer.param_groups, doc="torch-style groups (schedulers write lr)")
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def is_boundary(self) -> bool:
-        """True when the current micro-step ends with an optimizer update."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
 
     # counters a device-decided step changes once read: each read settles it (zero/step_coef.py)
     @property
@@ -142,7 +136,9 @@ class ZeroEngine:
         self.settle()
         return self._last_grad_norm
 
+    @calls.collective("forward", check=False)
     def __call__(self, *args, **kwargs):
+        """The model's forward, returning what the model returns. Collective."""
         if self.mixed:
             args, kwargs = cast_inputs(args, self.dtype), cast_inputs(kwargs, self.dtype)
         self.param_store.start_forward()
@@ -171,12 +167,13 @@ class ZeroEngine:
     def eval(self) -> "ZeroEngine":
         return self.train(False)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (the mean over this rank's micro-batch)."""
+    @calls.collective("backward", check=False)
+    def backward(self, loss) -> None:
+        """Backward of one micro-batch's loss (the mean over this rank's micro-batch): a
+        tensor, or the model's whole output (zero/outputs.py finds the loss). Collective."""
         if self._backward_pending:
             raise RuntimeError("engine.backward() called twice without engine.step() in between")
-        if loss.numel() != 1:
-            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        loss = outputs.find_loss(loss)
         self._backward_pending = True
         contributions = self.world * self.gradient_accumulation_steps
         self.reducer.begin(reduce=self.reducer.every_micro_step or self.is_boundary(),
@@ -191,9 +188,10 @@ class ZeroEngine:
         self.param_store.finish_backward()  # sync: stage 3 ends its gather rounds together
         self.reducer.end()  # sync: waits for the last buckets' reductions
 
+    @calls.collective("step", check=False)
     def step(self) -> bool:
         """Count one micro-step; at the accumulation boundary update. True if updated
-        (defer_stats: issued; a non-finite norm read later makes it a skip after all)."""
+        (defer_stats: issued; a non-finite norm read later makes it a skip after all). Collective."""
         if not self._backward_pending:
             raise RuntimeError("engine.step() called without engine.backward() for this micro-batch")
         self._backward_pending = False
@@ -308,9 +306,11 @@ class ZeroEngine:
                 p.grad = None
 
     # ------------------------------------------------------------------ introspection
+    @calls.collective("full_state_dict")
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """fp32 parameters keyed like model.named_parameters() (tied once) on rank 0
-        (on every rank with all_ranks=True); an empty dict on the other ranks."""
+        (on every rank with all_ranks=True); an empty dict on the other ranks. Collective:
+        every rank calls it (stage 3 and tp gather the parameters), not rank 0 alone."""
         offload_mod.settle(self)
         tp, split = self.dims.tp, self.tp_grads.any_split
         tracked = self.param_store.full_state(all_ranks or split)
@@ -328,15 +328,17 @@ class ZeroEngine:
         shard is the whole model)."""
         return self.param_store.materialized()
 
+    @calls.collective("gathered")
     def gathered(self, params, modifier_rank: int | None = None):
-        """Temporary full access (zerompi.GatheredParameters(..., engine=engine))."""
+        """Temporary full access (zerompi.GatheredParameters(..., engine=engine)). Collective."""
         offload_mod.settle(self, write=modifier_rank is not None)
         if modifier_rank is not None:
             self._fence_state()
         return self.param_store.gathered(params, modifier_rank)
 
+    @calls.collective("load_full_state_dict")
     def load_full_state_dict(self, state_dict: dict | None, strict: bool = True):
-        """Full weights from rank 0's state_dict (others pass None), one tensor at a time."""
+        """Full weights from rank 0's state_dict (others pass None), one tensor at a time. Collective."""
         offload_mod.settle(self, write=True)
         self._fence_state()
         return load_full.load_full_state_dict(self, state_dict, strict)
@@ -353,31 +355,27 @@ class ZeroEngine:
         rep["padded_numel"] = self.layout.total
         return rep
 
-    def comm_stats(self) -> dict:
-        return self.comm.stats()
-
-    def reset_comm_stats(self) -> None:
-        self.comm.reset_stats()
-
     # ------------------------------------------------------------------ checkpoints
     STATE_KINDS = state_io.STATE_KINDS
 
+    @calls.collective("save_checkpoint", generous="checkpoint save")
     def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None, async_save: bool = False):
         """Atomic HDF5-sharded checkpoint (see docs/checkpoints.md); returns its path.
         keep_last=K removes older checkpoints once this one is safely in place.
-        async_save=True writes it in the background: zerompi.checkpoint.poll/flush publish it."""
+        async_save=True writes it in the background: zerompi.checkpoint.poll/flush publish it. Collective."""
         from .. import checkpoint
 
-        return checkpoint.save(self, directory, tag=tag, client_state=client_state, keep_last=keep_last,
-                               async_save=async_save)
+        return checkpoint.save(self, directory, tag=tag, client_state=calls.with_attached(self, client_state),
+                               keep_last=keep_last, async_save=async_save)
 
+    @calls.collective("load_checkpoint", generous="checkpoint load")
     def load_checkpoint(self, directory, tag: str | None = None) -> dict | None:
         """Load the checkpoint `tag` (default: the 'latest' pointer) saved at any world
-        size or stage; returns its client_state, or None when none exists."""
+        size or stage; returns its client_state, or None when none exists. Collective."""
         from .. import checkpoint
 
-        return checkpoint.load(self, directory, tag=tag)
+        return calls.restore_attached(self, checkpoint.load(self, directory, tag=tag))
 
     def export_state(self, views: bool = False) -> dict:
         offload_mod.settle(self)
@@ -396,5 +394,7 @@ class ZeroEngine:
         self._fence_state()
         state_io.import_state(self, fetch, steps, param_groups, scaler, counters)
 
+    @calls.collective("full_grads")
     def full_grads(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients at full shape (tests, debugging). Collective."""
         return state_io.full_grads(self)
