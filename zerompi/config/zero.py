@@ -152,7 +152,7 @@ class Stage3Config:
     instead of across the whole shard group. Costs 1/P of the low-precision parameters
     per rank (P = the group's size; memory_report()["secondary"]). Refilled by every
     forward gather (so never stale after an update or a load); the values are copies,
-    so results are bitwise those without it (zero/secondary.py). K = 1 is off."""
+    so results are bitwise those without it (zero/stage3/secondary.py). K = 1 is off."""
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:

@@ -4,7 +4,7 @@
 
 The engine calls this once (config `activation_checkpointing.enabled`). The blocks are
 the repeated children of an nn.ModuleList / nn.Sequential - the same "auto" rule stage 3
-uses for its units (zero/units.py) - and each block's `forward` is replaced on the
+uses for its units (zero/stage3/units.py) - and each block's `forward` is replaced on the
 instance (the model's class is untouched; `acts.remove()` undoes it). A checkpointed
 call runs the block under no_grad and keeps only its input; its backward restores the
 input, recomputes the block with grad enabled (CPU and CUDA RNG states as at the
