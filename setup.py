@@ -33,11 +33,18 @@ setup(
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
         "cuda": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
+        # The trainer's `tensorboard = true` / `wandb = true` (zerompi/trainer/sinks.py).
+        "logging": ["tensorboard>=2.10", "wandb>=0.16"],
         # transformers: tests build BERT, T5, GPT-2, Llama, Mixtral from configs (no download);
-        # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time
-        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12"],
+        # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time;
+        # tensorboard, wandb: the trainer's logging is read back (offline W&B: no network)
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "nvidia-cuda-nvrtc-cu12", "pyarrow>=12",
+                 "tensorboard>=2.10", "wandb>=0.16"],
+        # python -m zerompi.prepare: Parquet input and tokenizer.json tokenizers (docs/data.md)
+        "data": ["pyarrow>=12", "tokenizers>=0.15"],
     },
     entry_points={"console_scripts": [
         "zerompi-train=zerompi.train:main",
+        "zerompi-prepare=zerompi.prepare:main",
     ]},
 )

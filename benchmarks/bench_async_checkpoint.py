@@ -1,15 +1,11 @@
 #!/usr/bin/env python
 """Asynchronous vs synchronous checkpoints while training: stall per save and step time.
 
-Worker mode (one job = one N x stage; it interleaves every kind of save):
+The driver runs N = 2, 4 x stages 1-3, one job of this file's --worker mode each (it
+interleaves every kind of save), and writes the merged JSON and its PNG:
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_async_checkpoint.py --stage 2 \
-        --dir /tmp/zerompi-asyncbench/ck --out r.json
-
-Driver mode (N = 2, 4 x stages 1-3, one mpiexec each; merged JSON):
-
-    python benchmarks/bench_async_checkpoint.py --driver --machine vm \
-        --out benchmarks/results/checkpoint_async_cpu.json
+    python benchmarks/bench_async_checkpoint.py --machine vm-epyc --out benchmarks/results/checkpoint_async_vm-epyc_202611.json
+    python benchmarks/bench_async_checkpoint.py --replot benchmarks/results/checkpoint_async_vm-epyc_202611.json
 
 The 135.0M-parameter GPT of bench_checkpoint.py (gpt2 shape, vocabulary 64000) in fp32
 with AdamW trains steps of one 128-token sequence per rank. Saves follow one another in
@@ -33,19 +29,11 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(ROOT), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from bench_checkpoint import build_model, machine_info  # noqa: E402
-from launch import launch  # noqa: E402
+from bench_checkpoint import build_model
+from harness import git_info, launch, machine_info, pyplot, result_path, save_figure, write_json
 
 ORDER = ("sync", "thread", "process", "process", "thread", "sync")
 
@@ -81,7 +69,7 @@ def worker(a) -> None:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
-    model = build_model("gpt2", 64000)
+    model = build_model(a.model, a.vocab)
     engine = zerompi.initialize(model, {"stage": a.stage, "precision": "fp32", "optimizer": {"lr": 1e-4}})
     vocab = model.config.vocab_size
     kinds = sorted({k for k in a.order if k != "sync"})
@@ -193,21 +181,18 @@ def summarize(job: dict) -> dict:
 def driver(a) -> None:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    info = machine_info(str(work))
-    info["name"] = a.machine or info["hostname"]
-    git = ["git", "-C", str(ROOT)]
-    info["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    info["git_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
-                                            capture_output=True, text=True).stdout.strip())
+    info = {**machine_info(str(work)), **git_info()}
+    info["name"] = a.machine or info["node"]
     report = {"benchmark": "asynchronous vs synchronous checkpoints while training",
-              "model": "gpt2 (vocab 64000), fp32 + AdamW", "params": 134994432, "tokens_per_rank_step": a.tokens,
+              "model": f"{a.model} (vocab {a.vocab}), fp32 + AdamW", "tokens_per_rank_step": a.tokens,
               "order": a.order * a.rounds, "machine": info, "note": a.note,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "jobs": [], "summary": []}
     for n in a.ranks:
         for stage in a.stages:
             out = work / f"n{n}-s{stage}.json"
-            argv = [__file__, "--stage", str(stage), "--dir", str(work / "ck"), "--out", str(out),
-                    "--rounds", str(a.rounds), "--gap", str(a.gap), "--tokens", str(a.tokens), "--order", ",".join(a.order)]
+            argv = [__file__, "--worker", "--stage", str(stage), "--dir", str(work / "ck"), "--out", str(out),
+                    "--rounds", str(a.rounds), "--gap", str(a.gap), "--tokens", str(a.tokens), "--order", ",".join(a.order),
+                    "--model", a.model, "--vocab", str(a.vocab)]
             before, t0 = os.getloadavg(), time.perf_counter()
             shutil.rmtree(work / "ck", ignore_errors=True)
             p = launch(n, argv, timeout=a.timeout)   # the ranks' environment and kill policy of every benchmark
@@ -224,8 +209,8 @@ def driver(a) -> None:
             print(json.dumps({k: v for k, v in s.items() if not isinstance(v, dict)}),
                   {k: {kk: vv for kk, vv in v.items() if kk.endswith(("median", "sync", "_max"))}
                    for k, v in s.items() if isinstance(v, dict)}, flush=True)
-            with open(a.out, "w") as f:   # after every job: a long run keeps what it measured
-                json.dump(report, f, indent=1)
+            write_json(a.out, report)   # after every job: a long run keeps what it measured
+    plot(report, Path(a.out).with_suffix(".png"))
 
 
 def resummarize(path: str) -> None:
@@ -236,9 +221,48 @@ def resummarize(path: str) -> None:
     Path(path).write_text(json.dumps(report, indent=1))
 
 
-def main() -> None:
+COLORS = {"sync": "#888888", "thread": "#1f77b4", "process": "#d62728"}
+
+
+def plot(report: dict, png) -> None:
+    """Per N x stage: each asynchronous writer's stall per save over the synchronous save's
+    time (the 10% line), the step time during a background write over a normal step (the
+    1.15x line), the training time each kind of save cost next to the synchronous one."""
+    plt = pyplot()
+    rows = report["summary"]
+    labels = [f"N={s['n']}\nstage {s['stage']}" for s in rows]
+    kinds = [k for k in ("thread", "process") if all(k in s for s in rows)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    width = 0.8 / max(1, len(kinds))
+    for ax, key, line, title in ((axes[0], "stall_over_sync", 0.10, "stall per save / sync save time (median)"),
+                                 (axes[1], "step_ratio_median", 1.15, "step time during a background write\n"
+                                                                       "/ normal step (median over saves)")):
+        for j, k in enumerate(kinds):
+            xs = [i + (j - (len(kinds) - 1) / 2) * width for i in range(len(rows))]
+            ax.bar(xs, [s[k][key] for s in rows], width, label=k, color=COLORS[k])
+        ax.axhline(line, color="k", ls="--", lw=1, label=f"target {line:g}")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    all_kinds = ["sync"] + kinds
+    width = 0.8 / len(all_kinds)
+    for j, k in enumerate(all_kinds):
+        xs = [i + (j - (len(all_kinds) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [s[k]["lost_s_median"] for s in rows], width, label=k, color=COLORS[k])
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("s")
+    ax.set_title("training time lost per save (median)", fontsize=10)
+    ax.legend(fontsize=8)
+    m = report["machine"]
+    save_figure(fig, png, f"{report['model']}, {report['tokens_per_rank_step']} tokens/rank/step; machine "
+                f"{m['name']} ({m['cores']} cores, {m.get('cpu_model', m.get('cpu'))}), {report['date']}")
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--worker", action="store_true", help="one job's ranks (the driver starts them)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--machine", default="")
     ap.add_argument("--note", default="", help="said in the report (e.g. what else ran on the machine)")
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
@@ -252,10 +276,17 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/zerompi-asyncbench/ck")
     ap.add_argument("--workdir", default="/tmp/zerompi-asyncbench")
     ap.add_argument("--timeout", type=int, default=3600)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--resummarize", action="store_true", help="recompute the summaries of --out")
-    a = ap.parse_args()
-    resummarize(a.out) if a.resummarize else driver(a) if a.driver else worker(a)
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a report (next to it)")
+    ap.add_argument("--model", default="gpt2", help="a zerompi.models.gpt preset")
+    ap.add_argument("--vocab", type=int, default=64000, help="its vocabulary (0: the preset's)")
+    a = ap.parse_args(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+    else:
+        a.out = a.out or str(result_path("checkpoint_async"))
+        resummarize(a.out) if a.resummarize else worker(a) if a.worker else driver(a)
 
 
 if __name__ == "__main__":

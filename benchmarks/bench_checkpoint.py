@@ -1,15 +1,11 @@
 #!/usr/bin/env python
 """Checkpoint save/load throughput: zerompi (HDF5 shards) vs torch.save vs DeepSpeed.
 
-Worker mode (one job = one system x model x N):
+The driver runs systems x N = 1, 2, 4, one job of this file's --worker mode each, and writes
+the merged JSON and its PNG:
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_checkpoint.py --system zerompi \
-        --model gpt2 --vocab 64000 --dir /tmp/ckbench --out r.json
-
-Driver mode (systems x N = 1, 2, 4, one mpiexec each; merged JSON + PNG):
-
-    python benchmarks/bench_checkpoint.py --driver --machine vm \
-        --out benchmarks/results/checkpoint_cpu.json --png benchmarks/results/checkpoint_cpu.png
+    python benchmarks/bench_checkpoint.py --machine vm-epyc --out benchmarks/results/checkpoint_vm-epyc_202611.json
+    python benchmarks/bench_checkpoint.py --replot benchmarks/results/checkpoint_vm-epyc_202611.json
 
 Every system holds the same state: the GPT preset in fp32 plus AdamW moments after one
 training step (so moments are not zeros). zerompi runs ZeRO stage 2 and writes one
@@ -27,33 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launch import launch
-
-
-def machine_info(directory: str) -> dict:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fs = "?"
-    try:
-        out = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()[-1].split()
-        fs = f"{out[0]} ({out[1]})"
-    except Exception:
-        pass
-    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem / 2**30, 1),
-            "disk": fs, "python": platform.python_version(), "load_avg_at_start": os.getloadavg()}
+from harness import launch, machine_info, pyplot, result_path, save_figure, write_json
 
 
 def drop_caches() -> bool:
@@ -141,7 +117,7 @@ def bench_zerompi(a, comm) -> dict:
 def _torch_same_tensors(engine, directory: str, what: str) -> float:
     """Seconds for torch.save (+ fsync) of the engine's own state tensors (master and
     moments, the views the checkpoint writes), or torch.load + copy back into them:
-    the like-for-like reference of issue 16, timed right beside zerompi's own save or
+    the like-for-like reference, timed right beside zerompi's own save or
     load so that both see the same machine load."""
     import torch
 
@@ -249,7 +225,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     out = Path(a.workdir) / f"{system}-n{n}.json"
     ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
     shutil.rmtree(ckdir, ignore_errors=True)
-    argv = [Path(__file__).resolve(), "--system", system, "--model", a.model, "--vocab", a.vocab,
+    argv = [Path(__file__).resolve(), "--worker", "--system", system, "--model", a.model, "--vocab", a.vocab,
             "--dir", ckdir, "--out", out, "--repeats", a.repeats, "--port", 29500 + n]
     load0 = os.getloadavg()
     # torch's job is one process without mpiexec
@@ -267,7 +243,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
 def driver(a) -> None:
     import torch
 
-    from zerompi.models.gpt import PRESETS, count_params
+    from zerompi.models.gpt import count_params
 
     os.makedirs(a.workdir, exist_ok=True)
     results, notes = [], []
@@ -288,16 +264,14 @@ def driver(a) -> None:
     report = {"benchmark": "checkpoint save/load", "model": a.model + (f" (vocab {a.vocab})" if a.vocab else ""),
               "params": count_params(model_config(a.model, a.vocab)), "precision": "fp32", "zerompi_stage": 2,
               "repeats": a.repeats, "timing": "best of repeats, wall clock between barriers",
-              "machine": machine_info(a.workdir), "torch": torch.__version__,
+              "machine": {**machine_info(a.workdir), "load_avg_at_start": os.getloadavg()}, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results, "notes": notes,
               "checks": checks(results)}
     if a.machine:
         report["machine"]["name"] = a.machine
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1))
-    if a.png:
-        plot(report, a.png)
-    print(f"wrote {a.out}" + (f" and {a.png}" if a.png else ""))
+    write_json(a.out, report)
+    plot(report, Path(a.out).with_suffix(".png"))
+    print(f"wrote {a.out} and its PNG")
 
 
 def checks(results: list[dict]) -> dict:
@@ -323,11 +297,7 @@ def checks(results: list[dict]) -> dict:
 
 
 def plot(report: dict, png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in report["results"] if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, key, title in ((axes[0], "save", "save"), (axes[1], "load", "load, cold page cache (zerompi: incl. checksum verify)")):
@@ -346,16 +316,16 @@ def plot(report: dict, png: str) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     m = report["machine"]
-    fig.suptitle(f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
-                 f"throughput — {m.get('name', m['hostname'])}: {m['cores']} cores {m['cpu']}, "
-                 f"{m['ram_gib']} GiB, {m['disk']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    ram = m.get("ram_gib") or round((m.get("ram_bytes") or 0) / 2**30, 1)
+    save_figure(fig, png, f"{report['model']} ({report['params'] / 1e6:.0f}M params, fp32 + AdamW) checkpoint "
+                f"throughput — {m.get('name', m.get('node', m.get('hostname')))}: {m['cores']} cores "
+                f"{m.get('cpu_model', m.get('cpu'))}, {ram} GiB, {m['disk']}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--worker", action="store_true", help="one job's ranks (the driver starts them)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
     ap.add_argument("--model", default="gpt2", help="GPT preset (gpt2, gpt-200m, gpt-20m, small, tiny)")
     ap.add_argument("--vocab", type=int, default=64000,
@@ -368,10 +338,14 @@ def main() -> None:
     ap.add_argument("--ds-python", default="", help="python that can import deepspeed (default: this one)")
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--timeout", type=int, default=1800)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--png", default="")
-    a = ap.parse_args()
-    if a.driver:
+    ap.add_argument("--out")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a report (next to it)")
+    a = ap.parse_args(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return
+    if not a.worker:
+        a.out = a.out or str(result_path("checkpoint"))
         driver(a)
         return
     if a.system == "torch":

@@ -2,15 +2,13 @@
 """Data-parallel CPU benchmark: zerompi stages 0-3 vs torch DDP, ZeroRedundancyOptimizer,
 FSDP2 and DeepSpeed ZeRO.
 
-Worker mode (one MPI job = one system x model x N, so peak RSS belongs to that system):
+The driver loops systems x models x N x malloc settings, one mpiexec job of this file's
+--worker mode each (so peak RSS belongs to one system), merges the per-run JSON into one
+file and draws the PNG next to it; --replot redraws it:
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --system zerompi-3 --model gpt-20m --out r.json
-
-Driver mode (loops systems x models x N x malloc settings, one mpiexec each, merges the
-per-run JSON into one file and draws the PNG with benchmarks/plot_dp.py):
-
-    python benchmarks/bench_dp.py --driver --out benchmarks/results/dp_cpu.json \
-        --png benchmarks/results/dp_cpu.png
+    python benchmarks/bench_dp.py --out benchmarks/results/dp_vm-epyc_202611.json
+    python benchmarks/bench_dp.py --replot benchmarks/results/dp_vm-epyc_202611.json
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --worker --system zerompi-3 --out r.json
 
 Systems: zerompi-0/1/2/3 (fp32; a "-bf16" suffix runs bf16; zerompi-3 builds the model
 under zerompi.Init), ddp (DistributedDataParallel), torch-zero (ZeroRedundancyOptimizer(AdamW)
@@ -33,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_env import (
+from harness import (
     DEFAULT_SHAPES,
     GiB,
     MALLOC_ENVS,
@@ -42,6 +40,7 @@ from bench_env import (
     peak_rss_process,
     quiet_barrier,
     reset_hwm,
+    result_path,
     vm_hwm,
 )
 from dp_systems import (
@@ -51,7 +50,7 @@ from dp_systems import (
     expected_model_state_bytes,
     parse_system,
 )
-from dp_driver import driver
+from dp_driver import driver, plot
 
 
 
@@ -178,7 +177,8 @@ def worker(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--driver", action="store_true", help="loop over runs (no MPI in this process)")
+    ap.add_argument("--worker", action="store_true", help="one run on the MPI ranks (the driver starts it)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--system", default="zerompi-2", help=f"worker: one of {SYSTEMS + OPTIONAL_SYSTEMS}")
     ap.add_argument("--model", default="gpt-20m", help="worker: a zerompi.models.gpt preset")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS))
@@ -210,21 +210,23 @@ def main(argv=None) -> None:
     ap.add_argument("--mem-limit-gib", type=float, default=20.0,
                     help="driver: skip runs predicted to need more RAM (all ranks)")
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="driver: seconds per run")
-    ap.add_argument("--wait-quiet", type=float, default=0.0,
-                    help="driver: before each run wait until the 1-min load average is below this (0: off)")
+    ap.add_argument("--wait-quiet", type=float, default=1.0,
+                    help="driver: before each run wait until at most this fraction of the machine is busy (1: no wait)")
     ap.add_argument("--wait-quiet-max", type=float, default=600.0, help="driver: longest such wait, s")
     ap.add_argument("--work-dir", default=None, help="driver: per-run JSON and logs (default: a temp dir)")
-    ap.add_argument("--out", required=True, help="JSON output (worker: one run; driver: merged)")
-    ap.add_argument("--png", default=None, help="driver: plot file")
+    ap.add_argument("--out", help="JSON output (worker: one run; driver: merged, its PNG beside it)")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a driver's JSON (next to it)")
     args = ap.parse_args(argv)
-    if args.driver:
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+    elif not args.worker:
+        args.out = args.out or str(result_path("dp"))
         driver(args)
     else:
         parse_system(args.system)
         args.malloc_label = args.malloc_label or (
             "mmap128k" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default")
         worker(args)
-
 
 
 if __name__ == "__main__":

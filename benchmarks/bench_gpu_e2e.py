@@ -1,4 +1,4 @@
-"""One-GPU end to end (issues 12, 39, 40): the reference GPT trained by plain torch, torch
+"""One-GPU end to end: the reference GPT trained by plain torch, torch
 FSDP2, zerompi stages 0-3 and DeepSpeed ZeRO-2/3 (benchmarks/e2e_systems.py), all at world
 size 1 with the same model, micro-batch and data, in one process; tokens/s per system and
 as a ratio to plain torch measured in the same round, MFU, peak memory, and a device- and
@@ -7,7 +7,7 @@ host-side profile of one step of each system (benchmarks/step_profile.py).
     python benchmarks/bench_gpu_e2e.py --preset gpt2 --micro 8 --seq 1024 \\
         --systems torch,fsdp2,stage0,stage1,stage2,stage3/deepspeed2,deepspeed3 \\
         --peak-flops 989e12 --out e2e.json
-    python benchmarks/e2e_summary.py e2e.json      # the table
+    python benchmarks/gpu_acceptance/e2e_summary.py e2e.json      # the table
 
 Measurement: every system is built once and warmed up (--warmup steps), then timed in
 --rounds rounds, each a block of --steps steps per system, in list order in even rounds and
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
 from e2e_systems import build, check_names, end_process_group, engine_config, new_model  # noqa: E402

@@ -1,4 +1,4 @@
-"""A CPU proxy for the host overhead of a GPU training step (issue 39): skeleton GPTs with
+"""A CPU proxy for the host overhead of a GPU training step: skeleton GPTs with
 the real presets' structure at tiny widths (host_proxy_skeleton.py: the engine lays them out
 into the same parameters, pieces, blocks and units as the real model), so compute is
 negligible and what is left is the host's work: per step, zerompi stages 0-3 against plain
@@ -15,7 +15,7 @@ test/wait calls by phase (polls in backward), hook calls, collectives by kind an
 phase (engine.comm_stats() deltas; stage 3's gathers go through a duplicate counted in the
 same table), agreement rounds (stage 3: param_store.agreement.held); then Python own time by
 package over --profile-steps steps (step_profile.python_top). --world 2,4: the same counts
-on N ranks (mpiexec through launch.py, this file's --worker mode; rank 0's numbers).
+on N ranks (mpiexec through harness.launch, this file's --worker mode; rank 0's numbers).
 The engine runs as bench_gpu_e2e.py configures it (engine_config), with the skeleton's
 integer bucket and alignment, and optimizer.implementation = fused, the GPU's choice (its
 CPU executor's arithmetic is device work on a GPU: a fast stand-in, host_proxy_count.py;
@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench_env import HERE, ROOT, machine_info  # first: this checkout's zerompi on sys.path
+from harness import HERE, ROOT, machine_info, result_path  # first: this checkout's zerompi on sys.path
 import host_proxy_count as hc  # noqa: E402
 import host_proxy_fit as fit  # noqa: E402
 import host_proxy_skeleton as hs  # noqa: E402
@@ -260,7 +259,7 @@ def worker(a) -> int:
 
 
 def ranks(a, world: int) -> dict:
-    from launch import launch
+    from harness import launch
 
     argv = [HERE / "bench_host_proxy.py", "--worker", "--models", ",".join(a.models),
             "--stages", ",".join(map(str, a.stages)), "--world", ",".join(map(str, a.world)),
@@ -274,7 +273,7 @@ def ranks(a, world: int) -> dict:
 
 
 def default_out() -> Path:
-    return ROOT / "benchmarks" / "results" / f"host_proxy_{platform.node() or 'host'}_{time.strftime('%Y%m')}.json"
+    return result_path("host_proxy")
 
 
 def parse(argv=None):

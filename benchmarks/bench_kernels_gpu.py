@@ -1,4 +1,4 @@
-"""GPU kernel bandwidth (issue 12): the table-driven fused AdamW, the overflow + norm
+"""GPU kernel bandwidth: the table-driven fused AdamW, the overflow + norm
 kernel and the fp32 -> bf16 cast, against the same GPU's device-to-device copy
 bandwidth measured in the same run, and the fused AdamW's time against
 torch.optim.AdamW(fused=True) doing the same update on the same number of elements.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info  # first: puts this checkout's zerompi on sys.path
 from zerompi.kernels import adamw_table as kt  # noqa: E402
 from zerompi.kernels import cast as kcast  # noqa: E402
 from zerompi.kernels.adamw import adamw_scalars  # noqa: E402

@@ -1,4 +1,4 @@
-"""The offloaded optimizer on one GPU (issue 40): the step and its phases against what the
+"""The offloaded optimizer on one GPU: the step and its phases against what the
 machine offers, the delayed update against the step without offload, and capacity.
 
     python benchmarks/bench_offload_gpu.py --preset gpt-1b --steps 3 --out PATH.json [--delayed] [--capacity]
@@ -35,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench_env import machine_info, mem_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info, mem_info  # first: puts this checkout's zerompi on sys.path
 
 import torch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The offloaded optimizer's host pass against what the host's memory offers (issue 40).
+"""The offloaded optimizer's host pass against what the host's memory offers.
 
     python benchmarks/bench_offload_host.py [--elements 5e7] [--threads 1,2,...] [--repeat 5]
         [--out benchmarks/results/offload_host_<machine>_<yyyymm>.json]   (+ .png)
@@ -14,7 +14,7 @@ Per thread count T, on one shard of n elements (bf16 gradients in, bf16 paramete
               multiply), torch._fused_adamw_, and the cast into the output
 Bytes/s = 28 n / seconds for all three; the best of --repeat rounds after a warm-up, the
 three taking turns within a round (a shared machine's busy moments hit all alike). The
-pass's acceptance (issue 40): >= 70% of copy's bytes/s, and faster than torch, at the
+pass's acceptance: >= 70% of copy's bytes/s, and faster than torch, at the
 thread count the engine uses (offload.threads auto: the cores).
 """
 from __future__ import annotations
@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-from bench_env import machine_info  # first: puts this checkout's zerompi on sys.path
+from harness import machine_info, machine_name, result_path, write_json  # first: puts this checkout's zerompi on sys.path
 
 import torch  # noqa: E402
 
@@ -53,11 +52,6 @@ def best(fns: dict, repeat: int) -> dict:
             fn()
             out[k] = min(out[k], time.perf_counter() - t0)
     return out
-
-
-def machine_name(info: dict) -> str:
-    cpu = re.sub(r"\(.*?\)|cpu|processor|@.*", "", info["cpu_model"].lower())
-    return f"{info['cores']}c-" + "-".join(re.findall(r"[a-z0-9]+", cpu)[:3])
 
 
 def measure(n: int, threads: list[int], repeat: int) -> list[dict]:
@@ -100,9 +94,9 @@ def measure(n: int, threads: list[int], repeat: int) -> list[dict]:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from harness import pyplot
+
+    plt = pyplot()
 
     rows = result["rows"]
     t = [r["threads"] for r in rows]
@@ -133,10 +127,10 @@ def main(argv=None) -> int:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return 0
     info = machine_info()
-    name = machine_name(info)
+    out = Path(a.out) if a.out else result_path("offload_host")
+    name = machine_name()
     cores = len(os.sched_getaffinity(0))
     threads = [int(x) for x in a.threads.split(",")] if a.threads else list(range(1, cores + 1))
-    out = Path(a.out or Path(__file__).parent / "results" / f"offload_host_{name}_{time.strftime('%Y%m')}.json")
     lib = host_kernel.library()
     result = {"machine": info, "machine_name": name, "torch": torch.__version__, "elements": int(a.elements),
               "bytes_per_element": BYTES_PER_ELEMENT, "compiled": lib is not None, "why_not": host_kernel.reason(),
@@ -146,8 +140,7 @@ def main(argv=None) -> int:
     result["at_all_cores"] = at
     result["accept"] = {"pass_vs_copy>=0.7": at.get("pass_vs_copy", 0) >= 0.7,
                         "pass_faster_than_torch": at.get("pass_vs_torch", 0) > 1}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result)
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} (+ .png); accept: {result['accept']}")
     return 0 if all(result["accept"].values()) else 1

@@ -1,43 +1,20 @@
 #!/usr/bin/env python
 """Calibrate the alpha-beta communication model (zerompi/comm/cost_model.py) on this
-machine, then check it on real stage-2 steps it was not fitted on (issue 17).
+machine, then check it on real stage-2 steps it was not fitted on.
 
-    python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration.json \
-        --png benchmarks/results/comm_calibration.png
+    python benchmarks/calibrate_comm.py --out benchmarks/results/comm_calibration_vm-epyc_202611.json
+    python benchmarks/calibrate_comm.py --replot benchmarks/results/comm_calibration_vm-epyc_202611.json
 
-The driver (this process, no MPI) runs, for each repeat (default 3) and each N (default 2
-and 4), two separate N-rank jobs (launch.py) of this file's workers, fit then check, so the
-repeats interleave both in time:
-
-  fit    zerompi's own MPICommunicator on fp32 buffers of 2^10 .. 2^24 elements:
-         reduce_scatter 'ordered' (the engine default: alltoall + sum in rank order),
-         reduce_scatter 'native' (MPI_Reduce_scatter_block) and all_gather. Buffers behave
-         in cache as in a step: the reduce-scatter's bucket is freshly filled (two slots
-         alternate), every all-gather fills another block of a pool 4x the L3. Batches of
-         back-to-back calls; a sample is the comm_stats() seconds per call, mean over
-         ranks, median over 7 batches, then median over repeats. cost_model.fit gives one
-         link per op and N, and a joint one (ordered reduce-scatter + all-gather); the sum
-         of the ordered reduce-scatter is proportional to the bytes, so it is in its beta.
-  check  the 17M GPT (gpt-20m) at stage 2, fp32, for bucket sizes 2^16 .. 2^22:
-         engine: zerompi.initialize(model, {"stage": 2, "bucket_size": B}) and real steps;
-                 measured = comm_stats() seconds per step (time blocked in waits).
-         replay: the collectives of one step of that engine (a reduce_scatter per block of
-                 engine.layout.blocks in the engine's launch order, each from a freshly
-                 filled bucket slot, the scalar all-reduce, an all_gather per block),
-                 blocking, no compute, through engine.comm; measured = comm_stats()
-                 seconds per replay. Both: mean over ranks, median over steps/replays,
-                 then median over repeats.
-
-The driver predicts each check with cost_model.step_comm_time from the fit jobs only
-(each op with its own link at that N) and reports measured/predicted, pooled and per
-repeat. The issue's target is a prediction within 30% either way
-(max(pred/meas, meas/pred) <= 1.3) at N = 2 and 4. The replay is the communication-only
-measurement and carries the verdict; the in-step engine number is reported beside it (it
-also holds waits for slower peers, and overlap hides part of the rest). Before each job
-the driver waits until other processes use < 15% of the machine (--max-busy) and records
-how much they used meanwhile (`jobs[].foreign_cpu_fraction`): our ranks spin, so any
-other process on these 2 cores changes the timings. About 4 minutes on the 2-core "vm".
-`--replot JSON` redraws the PNG.
+Per repeat (3) and N (2, 4), two separate N-rank jobs of this file's --worker phases:
+  fit    zerompi's MPICommunicator on fp32 buffers of 2^10 .. 2^24 elements (reduce_scatter
+         'ordered' and 'native', all_gather), buffers as cold in cache as in a step;
+         cost_model.fit gives a link per op and N, and a joint one;
+  check  the 17M GPT at stage 2 for bucket sizes 2^16 .. 2^22: the engine's own steps, and a
+         replay of one step's collectives without compute (the verdict: prediction within
+         30% either way; the in-step number also holds waits for slower peers).
+Samples are comm_stats() seconds, mean over ranks, median over batches, then over repeats.
+Before each job the driver waits for a quiet machine (--max-busy) and records how much of
+it other processes used meanwhile (our ranks spin: any other process changes timings).
 """
 from __future__ import annotations
 
@@ -49,57 +26,28 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_env import RANK_ENV
+from harness import RANK_ENV, ForeignCpu, result_path, wait_quiet, write_json
 from calibrate_workers import worker
-from launch import launch
+from harness import launch
 from zerompi.comm import cost_model as cm
 
 TOL = 0.30
 
 
 # ================================================================ driver
-def _cpu_busy() -> float:
-    """Busy CPU seconds of the whole machine since boot (/proc/stat, all cores)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-
-
-def _children_cpu() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def wait_quiet(max_busy: float, max_wait: float) -> dict:
-    """Wait (up to max_wait s) until the machine's busy fraction over 3 s is below
-    max_busy: our ranks spin, so any other process on these 2 cores changes the timings."""
-    t0, cores = time.time(), os.cpu_count() or 1
-    while True:
-        b0 = _cpu_busy()
-        time.sleep(3.0)
-        busy = (_cpu_busy() - b0) / (3.0 * cores)
-        if busy <= max_busy or time.time() - t0 > max_wait:
-            return {"busy_fraction_before": busy, "waited_s": time.time() - t0}
-        print(f"  machine busy ({100 * busy:.0f}% of {cores} cores), waiting ...", flush=True)
-
-
 def run_job(n: int, phase: str, args, work: Path, rep: int = 0) -> dict:
-    quiet = wait_quiet(args.max_busy, args.max_wait) if args.max_busy < 1 else {}
+    quiet = wait_quiet(args.max_busy, args.max_wait)
     out = work / f"{phase}-n{n}-r{rep}.json"
     argv = [Path(__file__).resolve(), "--worker", phase, "--out", out] + args.passthrough
-    t0, b0, c0 = time.time(), _cpu_busy(), _children_cpu()
-    job = launch(n, argv, timeout=args.timeout, echo=True)
+    with ForeignCpu() as other:
+        job = launch(n, argv, timeout=args.timeout, echo=True)
     if not job.ok:
         raise SystemExit(f"{phase} at N={n} failed ({job.status}): {job.command_line}")
-    wall, busy, own = time.time() - t0, _cpu_busy() - b0, _children_cpu() - c0
     res = json.loads(out.read_text())
-    res["wall_s"] = wall
-    # CPU used by other processes while this job ran, as a fraction of the machine
-    res["foreign_cpu_fraction"] = max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
+    res["wall_s"] = other.wall
+    res["foreign_cpu_fraction"] = other.fraction  # CPU other processes used meanwhile, of the machine
     res["quiet_wait"] = quiet
-    print(f"  {phase} N={n}: {wall:.0f} s, other processes used "
+    print(f"  {phase} N={n}: {other.wall:.0f} s, other processes used "
           f"{100 * res['foreign_cpu_fraction']:.0f}% of the machine meanwhile", flush=True)
     res["command"] = job.command_line
     return res
@@ -171,9 +119,9 @@ def analyse(fits: dict, checks: dict) -> dict:
 
 
 def plot(res: dict, png: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from harness import pyplot
+
+    plt = pyplot()
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = {"reduce_scatter/ordered": "C0", "reduce_scatter/native": "C2", "all_gather": "C1"}
@@ -278,19 +226,17 @@ def driver(args) -> None:
            "checks": {str(n): c for n, c in merged_c.items()},
            "analysis": analyse(merged_f, merged_c), "per_repeat": per_repeat,
            "raw": {"fits": {str(n): v for n, v in fits.items()}, "checks": {str(n): v for n, v in checks.items()}}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     report(res)
-    if args.png:
-        plot(res, args.png)
+    plot(res, Path(args.out).with_suffix(".png"))
 
 
 def report(res: dict) -> None:
     an = res["analysis"]
     for n, ops in an["per_op_links"].items():
         for op, l in list(ops.items()) + [("joint (rs+ag)", an["links"][n])]:
-            print(f"fit N={n} {op:24s}: alpha = {l['alpha'] * 1e6:7.2f} us, beta = {l['beta'] * 1e9:.4f} ns/B "
-                  f"({1e-9 / l['beta']:.2f} GB/s)")
+            gbs = f"{1e-9 / l['beta']:.2f} GB/s" if l["beta"] > 0 else "no bandwidth term fitted"
+            print(f"fit N={n} {op:24s}: alpha = {l['alpha'] * 1e6:7.2f} us, beta = {l['beta'] * 1e9:.4f} ns/B ({gbs})")
     print(f"{'N':>2} {'bucket':>6} {'blocks':>6} {'pred ms':>8} {'lat%':>5} {'replay ms':>9} {'ratio':>6} "
           f"{'ok':>3} {'engine ms':>9} {'ratio':>6} {'ok':>3}")
     for r in an["table"]:
@@ -328,14 +274,13 @@ def main(argv=None) -> None:
                          "of the machine (1: do not wait)")
     ap.add_argument("--max-wait", type=float, default=600.0, help="longest such wait, s")
     ap.add_argument("--work-dir", default=None)
-    ap.add_argument("--out", default="benchmarks/results/comm_calibration.json")
-    ap.add_argument("--png", default="benchmarks/results/comm_calibration.png")
+    ap.add_argument("--out", default=str(result_path("comm_calibration")), help="JSON (its PNG beside it)")
     ap.add_argument("--replot", default=None, help="redraw the PNG (and the table) from a JSON")
     args = ap.parse_args(argv)
     if args.replot:
         res = json.loads(Path(args.replot).read_text())
         report(res)
-        plot(res, args.png)
+        plot(res, Path(args.replot).with_suffix(".png"))
     elif args.worker:
         worker(args)
     else:

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench_env import RANK_ENV, machine_info, quiet_barrier, software_info
+from harness import RANK_ENV, machine_info, quiet_barrier, software_info
 
 ARENA = 32 << 20  # elements (128 MiB fp32): 4x the L3 cache of the machine this was written on
 

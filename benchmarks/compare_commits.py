@@ -1,27 +1,18 @@
 #!/usr/bin/env python
 """Compare two zerompi checkouts (BEFORE and AFTER a change) for step time and peak RSS.
 
-    python benchmarks/compare_commits.py --before /tmp/zerompi-before --after . \\
-        --out benchmarks/results/compare_commits.json --png benchmarks/results/compare_commits.png
+    python benchmarks/compare_commits.py --before /tmp/zerompi-before --after . \
+        --out benchmarks/results/compare_commits_vm-epyc_202611.json       (its PNG beside it)
 
-Every run is one job (launch.py) of the data-parallel benchmark's own per-rank worker
-(`bench_dp.py`, system `zerompi-<stage>`, fp32), so a step is exactly the one
-benchmarks/results/dp_cpu*.json measure: a sleep-polling barrier, then forward + backward +
-optimizer step, timed as the maximum over ranks. The two sides differ only in which
-`zerompi` package the ranks import: the ranks run compare_sides.py, which puts the side's
-root first on sys.path, imports `zerompi` from there before anything else, and aborts the run if any rank got another copy (it prints
-`zerompi.__file__` once, and records every loaded zerompi module's file).
-
-The worker code is, by default, the one next to this script (`--worker shared`), for both
-sides; `--worker each` runs each side's own `benchmarks/bench_dp.py` instead.
-
-For each configuration (model x N x stage) the runs alternate sides, and the order flips
-every repeat and every configuration (ABBA, BAAB, ...), so slow drift of the machine's
-load cancels out. Results: per configuration, the median step time of each side over all
-its timed steps (pooled over repeats), the after/before ratio, the ratios of every
-before/after pair of repeats, CPU seconds per step, peak RSS per rank, and checks that
-both sides computed the same thing (losses, memory_report, communication volume).
-See benchmarks/README.md ("compare_commits.py").
+Every run is one job of bench_dp.py's per-rank worker (system zerompi-<stage>, fp32): the
+step bench_dp measures. The sides differ only in the zerompi the ranks import: they run
+compare_sides.py, which imports it from the side's root and aborts if any rank got another
+copy. The worker code is this checkout's (--worker shared) or each side's (--worker each).
+Per configuration (model x N x stage) the runs alternate sides and the order flips every
+repeat and configuration (ABBA, BAAB, ...), so a drift of the machine's load cancels out.
+Results: each side's median step time over its timed steps, the after/before ratio and the
+ratios of every pair of repeats, CPU seconds per step, peak RSS per rank, and checks that
+both sides computed the same losses, memory_report and communication volume.
 """
 from __future__ import annotations
 
@@ -35,10 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_env import DEFAULT_SHAPES, RANK_ENV, machine_info, mem_info, software_info
+from harness import DEFAULT_SHAPES, RANK_ENV, launch, machine_info, mem_info, software_info, wait_quiet
 from compare_report import GiB, overall, plot, print_table, summarize
 from compare_sides import EXTRA_BATCH, EXTRA_SHAPES, _tree_sha256, side_info
-from launch import launch
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_BEFORE = "/tmp/zerompi-before"
@@ -80,12 +70,11 @@ def run_one(args, side: str, root: str, worker_dir: Path, cfg: dict, rep: int,
                    "--out", str(rfile)]
     if args.bucket_size:
         worker_args += ["--bucket-size", str(args.bucket_size)]
+    if '"--worker"' in (Path(worker_dir) / "bench_dp.py").read_text():  # older ones run the worker by default
+        worker_args.insert(0, "--worker")
     argv = [HERE / "compare_sides.py", "--worker-root", root, "--worker-dir", worker_dir, "--",
             *worker_args]
-    if args.wait_quiet > 0:
-        deadline = time.monotonic() + args.wait_quiet_max
-        while os.getloadavg()[0] > args.wait_quiet and time.monotonic() < deadline:
-            time.sleep(10)
+    wait_quiet(args.wait_quiet, args.wait_quiet_max)  # the machine is shared: other work skews timings
     code_sha = _tree_sha256(Path(root) / "zerompi")
     load0 = os.getloadavg()
     # PYTHONPATH starts with the side's root; an interrupt kills the job and propagates
@@ -267,8 +256,8 @@ def main(argv=None) -> None:
     ap.add_argument("--worker", default="shared", choices=["shared", "each"],
                     help="shared: the bench_dp worker next to this script for both sides; "
                          "each: every side's own benchmarks/bench_dp.py")
-    ap.add_argument("--wait-quiet", type=float, default=0.0,
-                    help="before each run wait until the 1-min load average is below this (0: off)")
+    ap.add_argument("--wait-quiet", type=float, default=1.0,
+                    help="before each run wait until at most this fraction of the machine is busy (1: no wait)")
     ap.add_argument("--wait-quiet-max", type=float, default=300.0, help="longest such wait, s")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per mpiexec")
     ap.add_argument("--machine-label", default=None,
@@ -278,7 +267,7 @@ def main(argv=None) -> None:
                     help="smoke test: tiny model, N=2, stages 1-3, 1+2 steps, 2 repeats, "
                          "output to /tmp/compare_commits_quick.{json,png} unless given")
     ap.add_argument("--out", default=None,
-                    help="JSON (default benchmarks/results/compare_commits.json)")
+                    help="JSON (default benchmarks/results/compare_commits_vm-epyc_202611.json)")
     ap.add_argument("--png", default=None,
                     help="plot (default: the JSON path with .png; 'none' for no plot)")
     ap.add_argument("--replot", metavar="JSON", default=None,
@@ -300,7 +289,7 @@ def main(argv=None) -> None:
         if "--steps" not in given:
             args.steps = 2
         args.out = args.out or "/tmp/compare_commits_quick.json"
-    args.out = args.out or str(HERE / "results" / "compare_commits.json")
+    args.out = args.out or str(HERE / "results" / "compare_commits_vm-epyc_202611.json")
     if args.png is None:
         args.png = str(Path(args.out).with_suffix(".png"))
     elif args.png == "none":

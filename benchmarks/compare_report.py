@@ -147,10 +147,9 @@ def print_table(doc: dict) -> None:
 
 
 def plot(doc: dict, png: str) -> None:
-    import matplotlib
+    from harness import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cs = [c for c in doc["configs"] if c.get("ratio_step_time")]
     if not cs:

@@ -6,7 +6,7 @@ checksum of its zerompi code).
         --worker-dir DIR -- BENCH_DP_WORKER_ARGS...      (compare_commits.py starts it)
 
 This module imports no sibling at its top: with `--worker each` the ranks must import
-bench_dp and bench_env from the other side's DIR, not this one's."""
+bench_dp and harness (bench_env in older checkouts) from the other side's DIR, not this one's."""
 from __future__ import annotations
 
 import hashlib
@@ -26,24 +26,24 @@ EXTRA_SHAPES = {
 }
 # Per-rank micro-batch (sequences, tokens each) for the extra shapes: like gpt-200m / gpt-20m.
 EXTRA_BATCH = {"gpt-135m": (1, 256), "gpt-17m": (4, 256)}
-WORKER_FILES = ("bench_dp.py", "dp_systems.py", "dp_driver.py", "bench_env.py")
+WORKER_FILES = ("bench_dp.py", "dp_systems.py", "dp_driver.py", "harness.py", "bench_env.py")
 
 
 def worker_main(root: str, worker_dir: str, argv: list[str]) -> None:
     """Runs on every rank under mpiexec: import zerompi from `root`, then bench_dp's worker."""
     root = os.path.realpath(root)
     sys.path.insert(0, root)
-    import zerompi  # before bench_env, which puts its own repository first on sys.path
+    import zerompi  # before harness, which puts its own repository first on sys.path
 
     got = os.path.realpath(zerompi.__file__)
     if not got.startswith(root + os.sep):
         raise SystemExit(f"[compare] zerompi imported from {got}, expected under {root}")
     sys.path.insert(0, worker_dir)
-    import bench_dp  # noqa: E402  (also imports bench_env, dp_systems, dp_driver)
-    import bench_env
+    import bench_dp  # noqa: E402  (also imports harness, dp_systems, dp_driver)
+    shared = sys.modules.get("harness") or sys.modules["bench_env"]  # bench_env: older checkouts
 
-    bench_root = str(bench_env.ROOT)
-    if os.path.realpath(bench_root) != root:  # bench_env inserted the other checkout: drop it
+    bench_root = str(shared.ROOT)
+    if os.path.realpath(bench_root) != root:  # it inserted the other checkout: drop it
         sys.path[:] = [p for p in sys.path if p != bench_root]
     from zerompi.models.gpt import PRESETS, GPTConfig
 

@@ -9,7 +9,7 @@ import os
 import sys
 import warnings
 
-from bench_env import _jsonable, _nbytes, current_rss, free_port
+from harness import jsonable, nbytes, current_rss, free_port
 
 SYSTEMS = ("zerompi-0", "zerompi-1", "zerompi-2", "zerompi-3", "ddp", "torch-zero", "fsdp2",
            "deepspeed-3")
@@ -91,7 +91,7 @@ def build_system(args, gcfg, comm, marks: dict):
         def info():
             rep = engine.memory_report()
             return {"memory_report": rep, "model_states_bytes": rep["model_states"],
-                    "comm_stats": _jsonable(engine.comm_stats()),
+                    "comm_stats": jsonable(engine.comm_stats()),
                     "bucket_size": engine.config.bucket_size}
 
         return engine, engine.backward, step, info, lambda: None
@@ -130,8 +130,8 @@ def build_system(args, gcfg, comm, marks: dict):
 
         def info():
             locs = [p.to_local() for p in model.parameters()]
-            pbytes = sum(_nbytes(t) for t in locs)
-            obytes = sum(_nbytes(t.to_local() if hasattr(t, "to_local") else t)
+            pbytes = sum(nbytes(t) for t in locs)
+            obytes = sum(nbytes(t.to_local() if hasattr(t, "to_local") else t)
                          for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
             return {"memory_report": {"params": pbytes, "optimizer": obytes,
                                       "note": "sharded params + optimizer state; sharded grads "

@@ -8,7 +8,7 @@ Names (--systems):
   fsdp2            torch.distributed.fsdp.fully_shard on every block and the root,
                    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), fp32
                    parameters, the same AdamW, clip_grad_norm_
-  stageS           zerompi stage S (0-3), precision bf16; `stage3_slotsK`: bucket_count K
+  stageS           zerompi stage S (0-3), precision bf16
   deepspeedS       DeepSpeed ZeRO-S (2 or 3), bf16, the same torch AdamW as a client
                    optimizer (no JIT-built op); {"skipped": why} when deepspeed does not import
 Every model is built on the device (a 1B model's initialisation on the host takes tens of
@@ -29,12 +29,12 @@ from typing import Callable
 
 import torch
 
-import bench_env  # noqa: F401  first: puts this checkout's zerompi on sys.path
+import harness  # noqa: F401  first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT  # noqa: E402
 
 LR, BETAS, WEIGHT_DECAY, CLIP = 1e-4, (0.9, 0.95), 0.1, 1.0
-NAME = re.compile(r"^(torch|fsdp2|stage([0-3])(?:_slots([1-9][0-9]*))?|deepspeed([23]))$")
+NAME = re.compile(r"^(torch|fsdp2|stage([0-3])|deepspeed([23]))$")
 
 
 @dataclass
@@ -57,7 +57,7 @@ def check_names(names: list[str]) -> None:
     bad = [n for n in names if not NAME.match(n)]
     if bad:
         raise ValueError(f"--systems: unknown system(s) {', '.join(bad)}; known: torch, fsdp2, stage0-3, "
-                         "stage3_slotsK, deepspeed2, deepspeed3")
+                         "deepspeed2, deepspeed3")
 
 
 def new_model(cfg, dev: torch.device) -> GPT:
@@ -70,13 +70,10 @@ def adamw(params, dev: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=dev.type == "cuda")
 
 
-def engine_config(backend: str, stage: int, lr: float = LR, slots: int | None = None) -> dict:
-    out = {"stage": stage, "precision": "bf16", "gradient_clipping": CLIP,
-           "optimizer": {"lr": lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY},
-           "comm": {"backend": backend}}
-    if slots is not None:
-        out["bucket_count"] = slots
-    return out
+def engine_config(backend: str, stage: int, lr: float = LR) -> dict:
+    return {"stage": stage, "precision": "bf16", "gradient_clipping": CLIP,
+            "optimizer": {"lr": lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY},
+            "comm": {"backend": backend}}
 
 
 def process_group(dev: torch.device) -> None:
@@ -108,8 +105,8 @@ def build(name: str, cfg, micro: int, backend: str, dev: torch.device) -> System
     if name == "fsdp2":
         return _fsdp2(cfg, dev)
     if m.group(2) is not None:
-        return _zerompi(name, cfg, dev, backend, int(m.group(2)), int(m.group(3)) if m.group(3) else None)
-    return _deepspeed(name, cfg, dev, micro, int(m.group(4)))
+        return _zerompi(name, cfg, dev, backend, int(m.group(2)))
+    return _deepspeed(name, cfg, dev, micro, int(m.group(3)))
 
 
 def _torch(cfg, dev) -> System:
@@ -153,9 +150,9 @@ def _fsdp2(cfg, dev) -> System:
                                   "backend": torch.distributed.get_backend()}, [model, opt])
 
 
-def _zerompi(name, cfg, dev, backend, stage, slots) -> System:
+def _zerompi(name, cfg, dev, backend, stage) -> System:
     model = new_model(cfg, dev)
-    engine = zerompi.initialize(model, engine_config(backend, stage, slots=slots))
+    engine = zerompi.initialize(model, engine_config(backend, stage))
 
     def step(x, y):
         _, loss = engine(x, y)

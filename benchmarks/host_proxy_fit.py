@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_env import ROOT
+from harness import ROOT
 
 DEFAULT_RUNS = "benchmarks/results/gpu/h100-2026-11-27*/**/e2e*.json"
 PRE, POST = ("forward", "backward", "after_backward"), ("step",)
@@ -219,10 +219,9 @@ def report(fit: dict) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from harness import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(result["models"])
     cols = ("CPU ms/step here (median; tick: min) | predicted GPU host ms/step", "aten ops/step (non-view | view)",

@@ -29,7 +29,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from bench_env import ROOT  # noqa: F401  (puts this checkout's zerompi first on sys.path)
+from harness import ROOT  # noqa: F401  (puts this checkout's zerompi first on sys.path)
 from zerompi.config import ZeroConfig, load as config_load, to_dict
 from zerompi.models.gpt import GPT, PRESETS, GPTConfig, count_params
 from zerompi.zero import layout as zlayout

@@ -1,9 +1,8 @@
 """Where one training step's time goes, for bench_gpu_e2e.py: on the device and on the host.
 
-Why both: on the H100 runs (benchmarks/results/gpu/h100-2026-11-27c) GPT-2 124M at stages
-2-3 took 15-35 ms a step more than plain torch while their kernels took about the same
-time as plain torch's: the difference is host time (Python, launches, waits), which a
-table of kernels cannot show. So a profile holds:
+Why both: a step can spend its extra time on the host (Python, launches, waits) while
+its kernels take as long as plain torch's, which a table of kernels cannot show.
+So a profile holds:
   device_top    the kernels and ops with the most device time (what the old table was)
   device_busy   the union of the kernels' intervals over the profiled step's span: a
                 fraction well under 1 means the GPU waited for the host

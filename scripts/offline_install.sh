@@ -58,7 +58,10 @@ fi
 
 if [ $# -eq 0 ]; then set -- "."; fi
 build=()
-if "$PY" -c "import setuptools" 2>/dev/null; then build=(--no-build-isolation); fi
+# --use-pep517: the editable build through setuptools' own hook. Without it a pip before
+# 23.1 (Debian's venvs) runs `setup.py develop`, which recent setuptools hands back to pip
+# with build isolation on, and that reaches for an index.
+if "$PY" -c "import setuptools" 2>/dev/null; then build=(--no-build-isolation --use-pep517); fi
 echo "install.sh: installing zerompi: pip install --no-index --find-links $WHEELS ${build[*]} -e $*"
 offline "${build[@]}" -e "$@"
 "$PY" - <<'PYEOF'

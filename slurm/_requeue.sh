@@ -2,7 +2,8 @@
 # step, relay the time-limit warning to it, and requeue the job when the trainer asks.
 #
 #   . "$ZEROMPI_SLURM_DIR/_requeue.sh"
-#   zerompi_run srun --mpi=pmi2 --kill-on-bad-exit=1 python -m zerompi.train ...
+#   zerompi_launcher                 # ZEROMPI_LAUNCH: the srun (or mpiexec) line for MPI_TYPE
+#   zerompi_run "${ZEROMPI_LAUNCH[@]}" python -m zerompi.train ...
 #   zerompi_requeue_or_exit "$ZEROMPI_RC"
 #
 # Why a relay: `#SBATCH --signal=B:USR1@T` sends USR1 to the batch shell only (srun and
@@ -16,12 +17,57 @@ ZEROMPI_REQUEUE_EXIT=124
 # zerompi.train's "a collective wait passed zero.comm.timeout_s" exit code: the watchdog
 # named ranks that did not answer, as when a node is lost.
 ZEROMPI_LOST_EXIT=3
-# Give up after this many requeues (a job that crashes right after each resume would
-# otherwise cycle forever). Override at submission: MAX_RESTARTS=50 sbatch ...
+# Give up after this many restarts that followed a failure (a node lost, preemption: Slurm
+# requeued the job, not this script), so that a job whose every run fails does not cycle
+# forever. The requeues this script asks for at the time limit do not count: a long run
+# needs as many of them as it takes. Override at submission: MAX_RESTARTS=50 sbatch ...
 MAX_RESTARTS=${MAX_RESTARTS:-10}
+# Deadline on MPI_Init (zerompi/runtime/startup.py): a launch whose process manager never
+# answers ends with one line naming the launcher and MPI instead of waiting for --time.
+export ZEROMPI_STARTUP_TIMEOUT_S=${ZEROMPI_STARTUP_TIMEOUT_S:-300}
 
 zerompi_log() {
     echo "[$(date -Is)] job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0}: $*"
+}
+
+# zerompi_launcher: ZEROMPI_LAUNCH = how the ranks start, by MPI_TYPE:
+#   auto (default)  pmi2 on one node, hydra across nodes: pip's MPICH (what install.sh
+#                   installs) speaks only pmi2 to srun (pmix aborts it, none gives N
+#                   one-rank worlds), and across nodes srun --mpi=pmi2 can hang it in
+#                   MPI_Init (a PMI record longer than Slurm's pmi2 plugin takes:
+#                   slurm/README.md, "MPI"); MPICH's own mpiexec serves PMI itself
+#   hydra           mpiexec -bootstrap slurm (MPIEXEC: another mpiexec)
+#   pmix, pmi2 ...  srun --mpi=MPI_TYPE --kill-on-bad-exit=1 (a site MPI built with PMIx: pmix)
+# --kill-on-bad-exit=1: a rank that dies (even in MPI_Init) ends the step instead of leaving
+# the others blocked in a collective until the time limit; hydra does that by itself.
+zerompi_launcher() {
+    local kind=${MPI_TYPE:-auto}
+    if [ "$kind" = auto ]; then
+        kind=pmi2
+        if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then kind=hydra; fi
+    fi
+    if [ "$kind" = hydra ]; then
+        ZEROMPI_LAUNCH=("${MPIEXEC:-mpiexec}" -bootstrap slurm -n "$SLURM_NTASKS")
+        if [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then
+            ZEROMPI_LAUNCH+=(-ppn "${SLURM_NTASKS_PER_NODE%%(*}")
+        fi
+    else
+        ZEROMPI_LAUNCH=(srun --mpi="$kind" --kill-on-bad-exit=1)
+    fi
+}
+
+# Restarts after failures: SLURM_RESTART_COUNT less the requeues this script asked for,
+# which it writes to RUN_DIR (it survives the requeue; a resubmission starts a new job
+# id and a new count).
+_zerompi_ledger() {
+    echo "${RUN_DIR:-.}/.slurm-requeues"
+}
+zerompi_failed_restarts() {
+    local planned=0
+    if [ -f "$(_zerompi_ledger)" ]; then
+        planned=$(grep -c "^${SLURM_JOB_ID:-?} " "$(_zerompi_ledger)")
+    fi
+    echo $(( ${SLURM_RESTART_COUNT:-0} - planned ))
 }
 
 _zerompi_on_usr1() {
@@ -38,6 +84,13 @@ _zerompi_on_usr1() {
 zerompi_run() {
     _zerompi_usr1=0
     _zerompi_pid=
+    local failed
+    failed=$(zerompi_failed_restarts)
+    if [ "$failed" -gt "$MAX_RESTARTS" ]; then
+        zerompi_log "not starting: $failed restarts after failures (MAX_RESTARTS=$MAX_RESTARTS);" \
+                    "resubmit to continue from the checkpoint"
+        exit 1
+    fi
     # Only USR1: no TERM trap, so `scancel` ends the job instead of requeueing it.
     trap _zerompi_on_usr1 USR1
     zerompi_log "running: $*"
@@ -67,12 +120,10 @@ zerompi_requeue_or_exit() {
         zerompi_await_node_verdict
     fi
     if [ "$rc" -eq "$ZEROMPI_REQUEUE_EXIT" ]; then
-        if [ "$restart" -ge "$MAX_RESTARTS" ]; then
-            zerompi_log "not requeueing: already restarted $restart times (MAX_RESTARTS=$MAX_RESTARTS)"
-            exit "$rc"
-        fi
         # Logged first: the requeue can end this run before `scontrol` even returns.
         zerompi_log "checkpointed; requeueing"
+        # a planned restart (time limit), not a failure: zerompi_failed_restarts
+        echo "$SLURM_JOB_ID $((restart + 1))" >> "$(_zerompi_ledger)" || true
         if scontrol requeue "$SLURM_JOB_ID"; then
             exit 0
         fi

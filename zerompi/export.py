@@ -1,6 +1,10 @@
 """Consolidate a sharded checkpoint into one state dict, one tensor in memory at a time.
 
     python -m zerompi.export CKPT OUT [--dtype fp32|bf16] [--format torch|safetensors|both]
+    python -m zerompi.export CKPT --hf DIR [--dtype fp32|bf16] [--max-shard-size 5GB] [--tokenizer PATH]
+
+--hf writes a Hugging Face model directory instead (config.json, safetensors, the
+tokenizer's files): export_hf.py.
 
 CKPT: DIR/TAG or DIR (then DIR/latest), e.g. runs/tiny/checkpoints. OUT: a directory;
 it receives model.safetensors and model.pt (a torch.save'd {name: tensor} dict; one of
@@ -16,7 +20,8 @@ torch format is produced from the safetensors file: every tensor is a view of an
 of it, and torch.save reads them through the page cache. Resident memory is then
 file-backed pages the kernel can drop, not a second copy of the model; the cost is
 writing the data twice (for --format torch a temporary safetensors file is removed
-afterwards). Verification (sizes, sha256) runs first unless --no-verify. Every output
+afterwards). Verification (sizes, and checksums: CRC-32 per 64 MiB block, sha256 in
+checkpoints older than format version 2) runs first unless --no-verify. Every output
 file is written atomically (zerompi.runtime.fileio): an interrupted export never leaves a
 half-written model file under its final name.
 """
@@ -179,17 +184,36 @@ def export(ckpt_path: str, out: str, dtype: str = "fp32", fmt_: str = "both",
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zerompi.export", description=__doc__.split("\n")[0])
     ap.add_argument("ckpt", help="checkpoint directory DIR/TAG, or DIR (uses DIR/latest)")
-    ap.add_argument("out", help="output directory")
+    ap.add_argument("out", nargs="?", help="output directory (model.safetensors, model.pt, export.json)")
+    ap.add_argument("--hf", metavar="DIR", help="write a Hugging Face model directory instead: config.json, "
+                    "model.safetensors (sharded past --max-shard-size), generation_config.json and the run's "
+                    "tokenizer files; AutoModelForCausalLM.from_pretrained(DIR) loads it (runs of "
+                    "python -m zerompi.train: GPT as GPT2LMHeadModel, llama as LlamaForCausalLM)")
+    ap.add_argument("--max-shard-size", default="5GB", help="--hf: largest safetensors file (default 5GB)")
+    ap.add_argument("--tokenizer", help="--hf: tokenizer.json or tokenizer directory to copy (default: the "
+                    "run's `tokenizer` key; neither: no tokenizer files, said on stdout)")
     ap.add_argument("--tag")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--format", choices=("torch", "safetensors", "both"), default="both",
                     help="both (default): model.safetensors and model.pt")
-    ap.add_argument("--no-verify", action="store_true", help="skip the sha256 pass")
+    ap.add_argument("--no-verify", action="store_true", help="skip the checksum pass over the checkpoint's files "
+                    "(CRC-32 per 64 MiB block; sha256 in older checkpoints)")
     a = ap.parse_args(argv)
+    if (a.out is None) == (a.hf is None):
+        ap.error("give either OUT or --hf DIR")
     try:
-        for path in export(a.ckpt, a.out, a.dtype, a.format, a.tag, verify=not a.no_verify):
+        if a.hf:
+            from .export_hf import export_hf, parse_size
+
+            written, notes = export_hf(a.ckpt, a.hf, a.dtype, a.tag, verify=not a.no_verify,
+                                       max_shard=parse_size(a.max_shard_size), tokenizer=a.tokenizer)
+        else:
+            written, notes = export(a.ckpt, a.out, a.dtype, a.format, a.tag, verify=not a.no_verify), []
+        for path in written:
             print(f"wrote {path} ({os.path.getsize(path)} bytes)")
-    except (CheckpointError, OSError) as e:
+        for note in notes:
+            print(f"note: {note}")
+    except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

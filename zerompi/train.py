@@ -4,9 +4,19 @@ Workstation (2 ranks, the tiny model on the built-in corpus, a few minutes on a 
 
     mpiexec -n 2 python -m zerompi.train --config configs/tiny.toml
 
-Slurm (inside an sbatch script; one task per rank, or per GPU):
+Slurm (inside an sbatch script; one task per rank, or per GPU; slurm/*.sbatch do this):
 
-    srun python -m zerompi.train --config configs/small.toml --run_dir runs/$SLURM_JOB_ID
+    srun --mpi=pmi2 --kill-on-bad-exit=1 python -m zerompi.train --config configs/small.toml
+
+(--run_dir: the templates pass runs/$SLURM_JOB_NAME, so a requeued or resubmitted job
+resumes its run.)
+
+--mpi=pmi2 is what pip's MPICH speaks (a site MPI built with PMIx: --mpi=pmix); across
+nodes pip's MPICH can hang in MPI_Init under srun: start it with MPICH's own
+`mpiexec -bootstrap slurm -n $SLURM_NTASKS python -m zerompi.train ...` instead.
+--kill-on-bad-exit=1 ends every rank when one dies. MPI_Init has a deadline
+(ZEROMPI_STARTUP_TIMEOUT_S, else zero.comm.startup_timeout_s): past it, one line names
+the launcher and the MPI library seen, and the rank is killed (SIGKILL: 137 in a shell).
 
 Settings are TrainConfig fields (zerompi/trainer/config.py; `--help` lists them all):
 `--config FILE` (TOML or JSON), then `--key value` or `key=value` overrides, dotted for
@@ -22,14 +32,16 @@ Exit codes:
     0    finished max_steps (or nothing left to do)
     2    bad command line or config (message names the key; no rank hangs), or a resume
          or data set that does not fit (docs/reliability.md), or nodes that hold different
-         numbers of ranks (parallel/nodes.py)
+         numbers of ranks (parallel/nodes.py), or a launch of N tasks that MPI made N
+         worlds of 1 (srun --mpi=none, another MPI's mpiexec: runtime/startup.py)
     124  stopped by SIGUSR1, SIGTERM or a first SIGINT after writing a checkpoint: requeue
          the job, as slurm/*.sbatch do: `#SBATCH --signal=B:USR1@120` signals the batch
          shell, which relays USR1 to srun (slurm/_requeue.sh) and runs `scontrol requeue` on 124
     3    a collective wait passed zero.comm.timeout_s (the ranks that did not arrive named)
     4    diverged: zero.max_nonfinite_steps non-finite steps in a row (no checkpoint of them)
     5    run_dir is in use by another job (named)
-    128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint
+    128+N  signal N while a rank was blocked, or a second SIGINT: no checkpoint;
+         137 (SIGKILL) also when MPI did not start within its deadline (the line above it)
     1    anything else (one rank's exception aborts the whole job, see runtime/abort.py)
 """
 from __future__ import annotations
@@ -41,7 +53,7 @@ from . import runtime
 from .config import ConfigError, to_dict
 from .trainer import config as train_config
 from .parallel.nodes import discover as discover_nodes
-from .runtime import pygc, watchdog
+from .runtime import pygc, startup, watchdog
 from .runtime.agree import ObjectComm
 from .runtime.console import say
 
@@ -77,12 +89,55 @@ def _agreed_config(argv: list[str], world):
         tp = cfg.zero.tensor_parallel_size
         if world.size % tp:
             raise ConfigError("zero.tensor_parallel_size", tp, f"must divide the number of ranks ({world.size})")
-        problem = cfg.model.gpt_config().tp_problem(tp)
+        problem = cfg.model.shape().tp_problem(tp)
         if problem:
             raise ConfigError("zero.tensor_parallel_size", tp, problem)
     except ValueError as e:
         error = e
     return cfg if _agreed(world, error, "config", to_dict(cfg) if cfg else None) else None
+
+
+def _peek_startup_timeout(argv: list[str]) -> float | None:
+    try:
+        return float(train_config.peek(argv, "zero.comm.startup_timeout_s"))
+    except Exception:  # noqa: BLE001  unreadable here: the ranks agree on the error after MPI starts
+        return None
+
+
+def _layout_error(cfg, nodes, ranks: int) -> ConfigError | None:
+    """What the world size and node layout refuse in cfg.zero (zero.shard_group,
+    zero.comm.hierarchical, zero.stage3.secondary_partition: zero/groups.decide, pure, on
+    each data-parallel group's node map) or in the hardware (zero.comm.backend "nccl"
+    without CUDA tensors or cupy): the engine's own checks, before torch is imported."""
+    import importlib.util
+
+    from .zero import groups
+
+    z, tp = cfg.zero, cfg.zero.tensor_parallel_size
+    try:
+        for c in range(tp):  # data-parallel group c: world ranks c, c + tp, ... (parallel/dims.py)
+            seen: dict[int, int] = {}
+            dp_nodes = [seen.setdefault(nodes.node_of(r), len(seen)) for r in range(c, ranks, tp)]
+            groups.decide(dp_nodes, z.shard_group, z.comm.hierarchical, z.stage3.secondary_partition, z.stage)
+    except ConfigError as e:
+        return e.under("zero")
+    if z.comm.backend == "nccl":
+        why = "NCCL needs CUDA tensors, but device is cpu" if cfg.device == "cpu" else \
+            None if importlib.util.find_spec("cupy") else "cupy is not installed (pip install -e .[cuda12] or .[cuda13])"
+        if why:
+            return ConfigError("zero.comm.backend", "nccl", f"{why}; use 'mpi' or 'auto'")
+    return None
+
+
+def zero_key(e: ConfigError) -> ConfigError:
+    """`e` naming its key as typed on the command line: the engine's keys (ZeroConfig's)
+    under `zero.`, the trainer's as they are."""
+    top = e.key.split(".", 1)[0]
+    return e if top in _TRAIN_KEYS and top not in _ZERO_KEYS else e.under("zero")
+
+
+_TRAIN_KEYS = {f.name for f in dataclasses.fields(train_config.TrainConfig)}
+_ZERO_KEYS = {f.name for f in dataclasses.fields(train_config.ZeroConfig)}
 
 
 def _agreed_device(cfg, world):
@@ -95,6 +150,11 @@ def _agreed_device(cfg, world):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         error = ConfigError("device", "cuda", "no CUDA device visible to this rank")
+    if error is None and cfg.zero.comm.backend == "nccl":  # cupy was found; can it serve this device?
+        from .comm import nccl
+
+        why = nccl.unavailable(device)
+        error = ConfigError("zero.comm.backend", "nccl", f"{why}; use 'mpi' or 'auto'") if why else None
     return dataclasses.replace(cfg, device=device) if _agreed(world, error, "device", {"device": device}) else None
 
 
@@ -109,15 +169,24 @@ def main(argv: list[str] | None = None) -> int:
         print("Keys and defaults:\n" + "\n".join(train_config.describe()))
         return EXIT_OK
 
+    # MPI starts under a deadline (runtime/startup.py): the config's, read without checks
+    # (what is wrong with it is agreed once the ranks can talk), or the launch's.
+    try:
+        startup.import_mpi(_peek_startup_timeout(argv))
+    except ValueError as e:  # a bad ZEROMPI_STARTUP_TIMEOUT_S, in every process's environment
+        say(f"error: {e}", rank=startup.env_rank() or 0, prog=PROG)
+        return EXIT_USAGE
     # Config and node layout first, agreed by all ranks over bare MPI: what is wrong with
     # them ends the job before any rank imports torch.
-    world = runtime.init()
+    world = runtime.init()  # a launch of N tasks that became N worlds of 1 ends here (exit 2)
     setup = ObjectComm(world)
     cfg = _agreed_config(argv, setup)
     if cfg is None:
         return EXIT_USAGE
     # sync: which ranks share a node; an uneven layout ends the job here (one line, exit 2)
     nodes = discover_nodes(world)
+    if not _agreed(setup, _layout_error(cfg, nodes, world.size), "layout", None):
+        return EXIT_USAGE
 
     if _COMMAND:
         pygc.pause_collector()  # import torch runs ~370 collections otherwise
@@ -128,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _agreed_device(cfg, setup)
     if cfg is None:
         return EXIT_USAGE
-    return loop.run(cfg, nodes)
+    try:
+        return loop.run(cfg, nodes)
+    except ConfigError as e:  # a check the agreed ones above do not make: named as typed, then
+        raise zero_key(e) from None  # one line from rank 0 and exit 2 (runtime/abort.py)
 
 
 if __name__ == "__main__":

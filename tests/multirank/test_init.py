@@ -1,5 +1,5 @@
 """zerompi.Init on the models users bring (issue 13, point 4): bitwise the weights of a
-plain build under the same seed, for every zoo model, the reference GPT and common.py's
+plain build under the same seed, for every zoo model, the reference GPT and Llama and common.py's
 models, whatever way they initialise (nn.init imported by name, in-place methods,
 padding_idx, transformers' _init_weights, deep-copied layers, load_state_dict); at most
 `keep_full` full parameters at a time; engines take the model over; and wrong uses
@@ -18,7 +18,7 @@ KEEP = 4  # tests/workers/init_models.py
 def test_init_is_bitwise_a_plain_build_for_every_model(result, n):
     r = result
     models = [k for k, v in r.items() if isinstance(v, dict)]
-    assert len(models) == 13, models
+    assert len(models) == 14, models
     for kind in models:
         d = r[kind]
         assert d["diff"] == [], (kind, d["diff"])           # every weight, bitwise

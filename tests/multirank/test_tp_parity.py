@@ -15,14 +15,14 @@ from parity_checks import check_fp32, tp_parity
 SAVE_TP2_DP2 = tp_parity(4, "--tp", "2", "--stages", "2", "--steps", "2", "--save", "{tmp}/tp2dp2-ckpt")
 
 
-def _check(r, stages=(0, 1, 2, 3)):
+def _check(r, stages=(0, 1, 2, 3), gpt=True):
     check_fp32(r, stages=stages)
     for s in stages:
         d = r[f"stage{s}"]
         assert d["init_mismatch"] == [], (s, d["init_mismatch"])
         assert d["shapes_full"], s
         # the estimator's dry run at this tp lays out exactly what this engine built
-        assert ("estimate" in d) == (r["tp"] > 1), s
+        assert ("estimate" in d) == (r["tp"] > 1 and gpt), s
         for k, v in d.get("estimate", {}).items():
             assert k in d["memory"] or k == "gather_pool" and v == 0, (s, k)  # the pool: stage 3 only
             assert d["memory"].get(k, 0) == v, (s, k, d["memory"].get(k), v)
@@ -56,3 +56,14 @@ def test_checkpoint_tp2_dp2_resumes_at_tp1_dp3(result):
     saved, r = result
     assert saved["tp"] == 2 and saved["world"] == 4 and "stage2" in saved
     _check(r, stages=(3,))
+
+
+@batched(lambda n, stages, act: tp_parity(n, "--tp", "2", "--family", "llama", "--stages", stages, "--act", act))
+@pytest.mark.parametrize("n,stages,act", [(2, "1,3", "partition"), (4, "0,2", "none"), (4, "3", "plain")])
+def test_llama_tp2_matches_adamw(n, stages, act, result):
+    """The Llama family (GQA: 4 query heads over 2 kv heads, one kv head per tp rank)
+    split over tp = 2, with and without activation checkpointing, against single-process
+    AdamW on the unsplit model (= tp 1): same weights at the start (its slices), losses,
+    norms and final weights within the GPT's bounds."""
+    assert result["tp"] == 2 and result["world"] == n
+    _check(result, stages=tuple(int(s) for s in stages.split(",")), gpt=False)

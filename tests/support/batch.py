@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from mpirun import WORKERS, launch_cap, mpi_env, shm_cleanup
+from zerompi.runtime import jobs
 
 STARTUP_S = 180.0  # before the first case starts: mpiexec, MPI_Init, imports on a loaded machine
 # Launch-wide environment: transformers' logging level is read once, at import.
@@ -222,8 +221,7 @@ class Batches:
         cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / "batch.py"),
                str(d / "plan.json"), str(progress)]
         with shm_cleanup(), open(log, "w") as out:
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=mpi_env(self.env, cmd),
-                                 start_new_session=True)
+            p = jobs.start(cmd, mpi_env(self.env, cmd), stdout=out)
             try:  # an interrupt of pytest misses the launch (a session of its own): end it too
                 timed_out = self._watch(p, progress, [launch_cap(self.timeouts[c]) for c in cases])
             except BaseException:
@@ -281,18 +279,10 @@ class Batches:
 
 
 def _kill(p: subprocess.Popen) -> None:
-    """SIGTERM first: hydra forwards it to the ranks (which run in process groups of their
-    own); then SIGKILL to whatever is left of the launcher's group."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            p.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+    """The shared launcher's kill: the launch's process group and every process descended
+    from it (the ranks run in process groups of their own)."""
+    jobs.kill_job(p)
+    p.wait()
 
 
 def _read_progress(path: Path) -> tuple[dict[int, float], dict[int, float]]:

@@ -10,19 +10,18 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from zerompi.runtime import jobs
+
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent          # the checkout every rank imports zerompi from
 WORKERS = TESTS / "workers"
 DATA = TESTS / "data"
-
 
 
 def gone(pid: int) -> bool:
@@ -34,43 +33,15 @@ def gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
 
-# MPICH polls while a rank waits. With more ranks than cores (3-4 ranks on the 2-core CI
-# machine) the pollers hold the cores the working rank needs: give them up instead
-# (nanosleep when yielding MPICH's lock, usleep after polls that made no progress).
-# Measured on 4 ranks here: 25-30% less CPU time for the same cases.
-YIELD_WHEN_OVERSUBSCRIBED = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
-
-
 def ranks_of(cmd: list[str] | None) -> int:
     """Processes an `mpiexec -n A ... [: -n B ...]` command starts (0 for other commands)."""
-    if not cmd or os.path.basename(str(cmd[0])) != "mpiexec":
-        return 0
-    return sum(int(cmd[i + 1]) for i, a in enumerate(cmd[:-1]) if a in ("-n", "-np") and str(cmd[i + 1]).isdigit())
+    return jobs.ranks_of(cmd)
 
 
 def mpi_env(extra: dict | None = None, cmd: list[str] | None = None) -> dict:
-    """The test environment of a job (of `cmd`, if it is an mpiexec command)."""
-    env = dict(os.environ)
-    env.update({
-        "UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo",  # keep traffic on loopback
-        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    })
-    if ranks_of(cmd) > len(os.sched_getaffinity(0)):
-        env.update(YIELD_WHEN_OVERSUBSCRIBED)
-    env.update(extra or {})
-    return env
-
-
-SHM = Path("/dev/shm")
-
-
-def _shm_segments() -> set[str]:
-    try:
-        return {p.name for p in SHM.glob("mpich_shm_*")}
-    except OSError:
-        return set()
+    """The test environment of a job (of `cmd`, if it is an mpiexec command): the shared
+    launcher's one-machine environment with this checkout first on PYTHONPATH."""
+    return jobs.local_env(ROOT, extra, cmd)
 
 
 def torch_unimportable(tmp: Path) -> dict:
@@ -83,25 +54,24 @@ def torch_unimportable(tmp: Path) -> dict:
 
 def run_mpi(n: int, argv: list[str], timeout: float = 120, env: dict | None = None,
             module: bool = True, check: bool = True) -> subprocess.CompletedProcess:
-    """`mpiexec -n N python -m mpi4py ARGV`; kills the process group on timeout.
-
-    MPICH leaves its shared-memory segment in /dev/shm when a job is aborted (several of
-    our tests abort on purpose); the segments that appeared during the launch and that no
-    live process maps any more are removed, so repeated runs on one machine do not fill
-    /dev/shm, while another job's segments (a second test run beside this one) stay."""
-    with shm_cleanup():
-        return _run_mpi(n, argv, timeout, env, module, check)
+    """`mpiexec -n N python -m mpi4py ARGV` through launch(): the process group killed on
+    timeout, the MPICH segments the job left in /dev/shm removed."""
+    cmd = jobs.mpi_command(n, argv, module=module)
+    res = launch(cmd, timeout, env)
+    if check and res.returncode != 0:
+        pytest.fail(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stdout[-6000:]}")
+    return res
 
 
 @contextlib.contextmanager
 def shm_cleanup():
-    """Remove the MPICH segments that appeared inside the block and no live process maps."""
-    before = _shm_segments()
+    """Remove the MPICH segments that appeared inside the block and no live process maps
+    (for jobs started otherwise than through launch())."""
+    before = jobs.shm_segments()
     try:
         yield
     finally:
-        from zerompi.runtime.rundir import clean_dead_shm
-        clean_dead_shm(str(SHM), min_age_s=0.0, only=_shm_segments() - before)
+        jobs.clean_shm(jobs.shm_segments() - before)
 
 
 def launch_cap(timeout: float) -> float:
@@ -113,28 +83,17 @@ def launch_cap(timeout: float) -> float:
 
 def launch(cmd: list[str], timeout: float = 120, env: dict | None = None,
            stderr_apart: bool = False) -> subprocess.CompletedProcess:
-    """Run CMD in its own process group with the test environment; on timeout kill the
-    whole group and fail the test. stdout and stderr are merged unless stderr_apart.
-    An interrupt (Ctrl-C, or SIGINT from `timeout -s INT` around pytest) kills the
-    group too: it is a session of its own, so the signal never reaches it."""
+    """Run CMD through the shared launcher (zerompi/runtime/jobs.py: its own session, the
+    whole job killed on timeout or interrupt, its dead /dev/shm segments removed) with the
+    test environment; a timeout fails the test. stdout and stderr are merged unless
+    stderr_apart. The result has `elapsed` (s) and `ended` (wall clock) besides."""
     timeout = launch_cap(timeout)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT, text=True,
-                         env=mpi_env(env, cmd), start_new_session=True)
-    t0 = time.monotonic()
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"timeout after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}\n{(err or '')[-2000:]}")
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
-    res = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-    res.elapsed = time.monotonic() - t0
-    res.ended = time.time()  # wall clock, to compare with a time a rank printed
+    job = jobs.run(cmd, timeout=timeout, env=mpi_env(env, cmd), stderr_apart=stderr_apart)
+    if job.timed_out:
+        pytest.fail(f"timeout after {timeout}s: {' '.join(cmd)}\n{job.output[-4000:]}\n{(job.stderr or '')[-2000:]}")
+    res = subprocess.CompletedProcess(cmd, job.returncode, job.output, job.stderr)
+    res.elapsed = job.elapsed_s
+    res.ended = job.ended
     return res
 
 
@@ -149,11 +108,10 @@ def since_all_up(res: subprocess.CompletedProcess) -> float:
 
 @contextlib.contextmanager
 def running_job(cmd: list[str], ready, timeout: float = 60, env: dict | None = None):
-    """Start CMD (stdout and stderr merged) in its own process group and wait until
-    `ready()` holds; yield the Popen for the test to signal. On exit the group is killed
-    if it still runs, so a failed assertion leaves nothing behind."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=mpi_env(env, cmd), start_new_session=True)
+    """Start CMD (stdout and stderr merged) through the shared launcher and wait until
+    `ready()` holds; yield the Popen for the test to signal. On exit the job is killed if
+    it still runs, so a failed assertion leaves nothing behind."""
+    p = jobs.start(cmd, mpi_env(env, cmd))
     try:
         t0 = time.monotonic()
         while not ready():
@@ -166,16 +124,8 @@ def running_job(cmd: list[str], ready, timeout: float = 60, env: dict | None = N
         yield p
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            jobs.kill_job(p)
             p.communicate()
-
-
-def _run_mpi(n, argv, timeout, env, module, check) -> subprocess.CompletedProcess:
-    cmd = ["mpiexec", "-n", str(n), sys.executable] + (["-m", "mpi4py"] if module else []) + argv
-    res = launch(cmd, timeout, env)
-    if check and res.returncode != 0:
-        pytest.fail(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stdout[-6000:]}")
-    return res
 
 
 def run_worker(n: int, name: str, args: list[str], tmp_path: Path, timeout: float = 180, **kw) -> dict:

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_acceptance.sh, checked on a CPU before it ever meets a GPU (issues 24, 39):
+"""benchmarks/gpu_acceptance/run.sh (and its forwarder benchmarks/gpu_acceptance.sh), checked on a CPU before it ever meets a GPU (issues 24, 39):
 the --dry-run end to end (GPUs hidden, the GPU tests skip with their reasons, the e2e
 benchmarks run the tiny preset on the CPU, MPI installed from a wheel folder because
 mpi4py is made to load none, a stand-in deepspeed wheel installed by the peers step and
@@ -27,7 +27,8 @@ import pytest
 from mpirun import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu_acceptance" / "run.sh"
+FORWARDER = ROOT / "benchmarks" / "gpu_acceptance.sh"  # the command the GPU machine is given
 STEPS = ["env-probe", "mpi", "peers", "kernel-tests", "mpi-gpu-tests", "e2e", "e2e-1b", "train-cmd", "proxy",
          "offload", "kernel-bench", "build-tests"]
 FILES = {"acceptance.log", "env.json", "kernels_junit.xml", "kernels_bench.json", "mpi_junit.xml", "e2e.json",
@@ -106,10 +107,10 @@ def test_dry_run_end_to_end(tmp_path, mpich_wheels):
     assert json.loads((out / "kernels_bench.json").read_text()) == {"skipped": "no CUDA device visible"}
     e2e = json.loads((out / "e2e.json").read_text())
     sy = e2e["systems"]
-    want = ["torch", "fsdp2", "stage0", "stage1", "stage2", "stage3", "stage3_slots8", "deepspeed2", "deepspeed3"]
+    want = ["torch", "fsdp2", "stage0", "stage1", "stage2", "stage3", "deepspeed2", "deepspeed3"]
     assert list(sy) == want and e2e["train"]["loss_fell"], e2e
     assert all(sy[n]["ratio_vs_torch"]["median"] > 0 and "python_by_package" in sy[n]["profile"]
-               for n in want[1:7]), sy
+               for n in want[1:6]), sy
     try:
         import deepspeed  # noqa: F401  where it is installed, the stand-in is not used
     except ImportError:
@@ -125,7 +126,7 @@ def test_a_cut_off_run_keeps_the_probe_and_reports_every_step(tmp_path):
     (plus the 15 s kill grace it keeps)."""
     out = tmp_path / "acc"
     t0 = time.monotonic()
-    launch(["bash", str(SCRIPT), str(out), "--dry-run", "--budget", "30", "--skip", "mpi"], timeout=200)
+    launch(["bash", str(FORWARDER), str(out), "--dry-run", "--budget", "30", "--skip", "mpi"], timeout=200)
     assert time.monotonic() - t0 < 30 + 15
     steps = _steps(out)
     assert [s["step"] for s in steps] == STEPS, steps

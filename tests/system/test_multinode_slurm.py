@@ -24,7 +24,9 @@ MORE = 12  # steps trained after the signal's checkpoint (a second stop lands ~5
 def test_template_trains_checkpoints_requeues_resumes_bitwise(net_slurm, net_nodes, tmp_path):
     cfg = write_config(tmp_path / "fast.toml", max_steps=1_000_000)  # stopped by the signal
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
-    job_id = net_slurm.sbatch(TEMPLATE, cwd=REPO, env={**SITE_ENV, "CONFIG": str(cfg), "RUN_DIR": str(run_dir)},
+    # the template's default launch (MPI_TYPE=auto: MPICH's mpiexec across nodes)
+    env = {k: v for k, v in SITE_ENV.items() if k != "MPI_TYPE"}
+    job_id = net_slurm.sbatch(TEMPLATE, cwd=REPO, env={**env, "CONFIG": str(cfg), "RUN_DIR": str(run_dir)},
                               options=["--nodes=2", "--ntasks-per-node=2", f"--output={log}"])
     why = lambda: _diag(net_slurm, job_id, log)  # noqa: E731
     wait_steps(run_dir, 3, lambda: net_slurm.state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), why=why)
@@ -40,6 +42,7 @@ def test_template_trains_checkpoints_requeues_resumes_bitwise(net_slurm, net_nod
     text = _read(log)
     _in_order(text, [
         r"restart 0: 4 ranks on 2 nodes \(\S+\), device cpu, .*UCX_NET_DEVICES=eth0 UCX_TLS=tcp,sm,self",
+        r"restart 0: running: mpiexec -bootstrap slurm -n 4 -ppn 2 \S+ -m zerompi\.train ",
         rf"^zerompi\.train: 4 ranks on 2 nodes \(2 per node\): {net_nodes.nodes[0]} \(ranks 0-1\), "
         rf"{net_nodes.nodes[1]} \(ranks 2-3\)",
         r"restart 0: USR1 \(time limit near\): relaying to the ranks",

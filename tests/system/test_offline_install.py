@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,17 @@ def wheels(tmp_path_factory) -> Path:
     return d
 
 
+def _venv_seeing_this_one(venv: Path) -> None:
+    """A venv that sees the packages of the Python running this test (torch, numpy).
+    `--system-site-packages` gives it the base interpreter's, which inside a virtualenv
+    (`bash tests/run.sh` in a fresh venv) are not this environment's: a .pth file adds
+    this environment's site-packages after the new venv's own, which still win."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    ours = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    new_site = next((venv / "lib").glob("python3*/site-packages"))
+    (new_site / "zz_running_env.pth").write_text("".join(f"{d}\n" for d in ours))
+
+
 def _env(venv: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"PATH": f"{venv}/bin:{env['PATH']}", "UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1", **extra})
@@ -57,7 +69,7 @@ def test_install_sh_wheelhouse_offline_into_a_fresh_venv(wheels, tmp_path):
     """torch kept, MPICH from the folder under the venv's prefix (mpi4py could not load
     an MPI: MPI4PY_LIBMPI points nowhere), zerompi editable; 2 ranks run offline."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    _venv_seeing_this_one(venv)
     r = _offline(f"bash install.sh --wheelhouse {wheels} && source {venv}/zerompi-mpi.env && "
                  f"mpiexec -n 2 python -c \"{RANKS}\"",
                  _env(venv, MPI4PY_LIBMPI="/nonexistent/libmpi.so.12"))
@@ -75,7 +87,7 @@ def test_wheelhouse_is_the_only_source(wheels, tmp_path):
     machine's pip.conf) point at folders that hold it."""
     venv, empty = tmp_path / "venv", tmp_path / "empty"
     empty.mkdir()
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    _venv_seeing_this_one(venv)
     r = _offline(f"ZEROMPI_WHEELHOUSE={empty} bash install.sh",
                  _env(venv, MPI4PY_LIBMPI="/nonexistent/libmpi.so.12", PIP_FIND_LINKS=str(wheels)))
     assert r.returncode != 0

@@ -35,8 +35,8 @@ def test_train_cli_runs_a_deepspeed_file_as_deepspeed_would(tmp_path):
     for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):  # fp32: every update applies
         assert math.isclose(row["lr"], ref.lr, rel_tol=1e-12, abs_tol=1e-18), (row, ref.lr)
         ref.step()
-    (tmp_path / "sched.json").write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
-        "total_num_steps": 10}}}))
+    (tmp_path / "sched.json").write_text(json.dumps({"scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}))  # zerompi.initialize runs it; the trainer refuses it
     bad = run_mpi(2, ["-m", "zerompi.train", "--deepspeed_config", str(tmp_path / "sched.json"), "--data",
                       str(corpus), "--run_dir", str(tmp_path / "bad")], module=False, timeout=60, check=False,
                   env=torch_unimportable(tmp_path / "no-torch"))  # refused before any rank imports torch

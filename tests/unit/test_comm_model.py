@@ -253,12 +253,12 @@ def test_fit_constraints_and_errors():
 
 
 def test_calibrated_preset_is_the_committed_fit():
-    """PRESETS["calibrated-vm"] is the N = 2 joint fit of benchmarks/results/comm_calibration.json
+    """PRESETS["calibrated-vm"] is the N = 2 joint fit of benchmarks/results/comm_calibration_vm-epyc_202611.json
     (rerunning the calibration means updating the preset, its comment and docs/scaling.md)."""
     import json
     from mpirun import ROOT
 
-    res = json.loads((ROOT / "benchmarks/results/comm_calibration.json")
+    res = json.loads((ROOT / "benchmarks/results/comm_calibration_vm-epyc_202611.json")
                      .read_text())
     fitted = res["analysis"]["links"]["2"]
     link = PRESETS["calibrated-vm"]

@@ -169,9 +169,16 @@ def test_every_mapped_key_is_read_and_nothing_is_dropped():
             yield from keys(v, f"{prefix}{k}.") if isinstance(v, dict) and f"{prefix}{k}" not in TABLE else \
                 [f"{prefix}{k}"]
 
+    one_cycle = {"scheduler": {"type": "OneCycle", "params": {  # zerompi.initialize's (optim/ds_schedules.py)
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "decay_lr_rate": 0.1, "cycle_first_step_size": 4,
+        "cycle_second_step_size": 3, "cycle_first_stair_count": 1, "cycle_second_stair_count": 1,
+        "decay_step_size": 2, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.1, "last_batch_iteration": -1}}}
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "nesterov": True}}}
+    adagrad = {"optimizer": {"type": "Adagrad", "params": {"lr_decay": 0.1, "initial_accumulator_value": 0.1}}}
     given = set()
-    for ds in (fp16, offload, old_offload, warmup, cosine):
-        translate(ds, world_size=2, trainer=True)
+    for ds in (fp16, offload, old_offload, warmup, cosine, one_cycle, sgd, adagrad):
+        translate(ds, world_size=2, trainer=ds not in (one_cycle, sgd, adagrad))
         given |= set(keys(ds))
     assert {k for k, e in TABLE.items() if e.action == MAP} <= given
 
@@ -201,15 +208,17 @@ def test_unknown_keys_are_named_at_the_top_and_refused_inside_blocks():
      "zero_optimization.offload_optimizer.device", "cpu only"),
     ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.cpu_offload", "together"),
-    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}}}, "optimizer.type", "AdamW only"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}}}, "optimizer.type", "LAMB"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 1e-3, "betas": [0.9, 0.9]}}}, "optimizer.params.betas",
+     "not a parameter of torch.optim.SGD"),
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}},
      "optimizer.params.adam_w_mode", "L2"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled", "both"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
      "train_batch_size", "DeepSpeed requires"),
     ({"train_batch_size": 10, "gradient_accumulation_steps": 3}, "train_batch_size", "(derived)"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}, "scheduler.type",
-     "no LR scheduler"),
+    ({"scheduler": {"type": "OneCycle", "params": {"warmup_num_steps": 3}}}, "scheduler.params.warmup_num_steps",
+     "not a parameter of DeepSpeed's OneCycle"),
 ])
 def test_refusals_name_the_key_as_written_and_the_true_reason(ds, key, why):
     with pytest.raises(ConfigError) as e:

@@ -8,10 +8,11 @@ import json
 import math
 
 import pytest
+import torch
 
-from ds_schedulers import DeepSpeedScheduler
 from zerompi.config import ConfigError
 from zerompi.config import deepspeed
+from zerompi.optim import ds_schedules
 from zerompi.trainer.config import TrainConfig, from_argv
 from zerompi.trainer.schedule import lr_at, position
 
@@ -55,10 +56,13 @@ def test_auto_keeps_the_runs_precision_optimizer_schedule_and_batch(train, capsy
     assert (z.optimizer.lr, z.optimizer.betas, z.optimizer.eps, z.optimizer.weight_decay) == (2e-4, (0.9, 0.95),
                                                                                               1e-6, 0.1)
     assert z.gradient_clipping == 0.5 and cfg.global_batch == 12 and z.gradient_accumulation_steps == 1
-    assert (cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr) == ("cosine", 7, 1e-5)  # the trainer's own
+    # the block's type with the run's numbers, as DeepSpeed builds it after the HF integration fills "auto"
+    # in (warmup_type absent: DeepSpeed's default, log)
+    assert (cfg.lr_schedule, cfg.warmup_steps, cfg.warmup_type, cfg.warmup_start_lr, cfg.lr_decay_steps) == \
+        ("deepspeed_warmup_decay", 7, "log", 0.0, 0)
     out = capsys.readouterr().out
     assert out.count('"auto" keeps this run\'s own setting for 15 key(s): bf16.enabled, fp16.enabled, ') == 1, out
-    assert "schedule the trainer's own (the scheduler's parameters are all \"auto\")" in out
+    assert "schedule WarmupDecayLR, log warm-up, by applied updates" in out
     fp16 = train(HF, RUN.replace('"bf16"', '"fp16"')).zero  # fp16 through "auto": DeepSpeed's scaler
     assert fp16.precision == "fp16" and (fp16.fp16.initial_scale, fp16.fp16.window) == (2.0**16, 1000)
     with pytest.raises(ConfigError) as e:  # "auto" on bf16, but the fp16 block says no to the run's fp16
@@ -117,46 +121,56 @@ def test_deepspeed_lr_below_min_lr_says_where_each_came_from(train, tmp_path):
     assert train({"optimizer": {"type": "AdamW", "params": {"lr": 5e-6}}}, args=["--min_lr", "0"]).min_lr == 0
 
 
-SCHEDULES = [("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4, "warmup_num_steps": 5}),
-             ("WarmupLR", {"warmup_num_steps": 1}),  # DeepSpeed warms up over at least 2
+LINEAR = {"warmup_type": "linear"}
+SCHEDULES = [("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4, "warmup_num_steps": 5, **LINEAR}),
+             ("WarmupLR", {"warmup_num_steps": 1, **LINEAR}),  # DeepSpeed warms up over at least 2
+             ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_num_steps": 6}),  # log: DeepSpeed's default
+             ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_lr": 1e-5, **LINEAR}),
+             ("WarmupDecayLR", {"total_num_steps": 12, "warmup_num_steps": 4}),  # peak: DeepSpeed's 0.001
+             ("WarmupDecayLR", {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                                    "total_num_steps")}),  # the HF template
+             ("WarmupLR", {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps")}),
              ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1,
-                                 "cos_min_ratio": 0.01}),
-             ("WarmupCosineLR", {"total_num_steps": 3, "warmup_num_steps": 4})]  # no decay window
+                                 "cos_min_ratio": 0.01, **LINEAR}),
+             ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 5, "warmup_min_ratio": 0.1}),
+             ("WarmupCosineLR", {"total_num_steps": 3, "warmup_num_steps": 4, **LINEAR})]  # no decay window
+# what the Hugging Face integration writes for "auto": the run's numbers (lr 1e-3 below)
+HF_FILL = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 7, "total_num_steps": 30}
 
 
 @pytest.mark.parametrize("kind, params", SCHEDULES)
 def test_warmup_schedules_map_exactly_in_applied_updates(train, kind, params):
-    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "scheduler": {"type": kind, "params": dict(params, warmup_type="linear")}}
+    """The trainer's lr per step against DeepSpeed's scheduler (optim/ds_schedules.py, itself
+    tested against DeepSpeed's lr_schedules.py) stepped after each applied update."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": kind, "params": params}}
     cfg = train(ds, args=["--max_steps", "30"])
-    assert cfg.lr_schedule == {"WarmupLR": "deepspeed_warmup", "WarmupCosineLR": "deepspeed_warmup_cosine"}[kind]
-    ref, updates = DeepSpeedScheduler(kind, 1e-3, **params), 0
+    assert cfg.lr_schedule == {"WarmupLR": "deepspeed_warmup", "WarmupDecayLR": "deepspeed_warmup_decay",
+                               "WarmupCosineLR": "deepspeed_warmup_cosine"}[kind]
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    ref, updates = ds_schedules.from_block(opt, {"type": kind, "params": params}, fill=HF_FILL), 0
     for step in range(30):
         ours = lr_at(position(cfg, step, updates), cfg)
-        assert math.isclose(ours, ref.lr, rel_tol=1e-12, abs_tol=1e-18), (step, ours, ref.lr)
+        want = opt.param_groups[0]["lr"]
+        assert math.isclose(ours, want, rel_tol=1e-12, abs_tol=1e-18), (step, ours, want)
         if step % 7 != 3:  # an fp16 overflow skips the update: neither schedule advances
             updates += 1
             ref.step()
 
 
 @pytest.mark.parametrize("scheduler, key, why", [
-    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_type": "linear"}}, "scheduler.type",
-     "cannot be mapped exactly"),
-    ({"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, "scheduler.params.warmup_type", "logarithmic"),
-    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_type": "log"}},
-     "scheduler.params.warmup_type", "logarithmic"),
+    ({"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}}, "scheduler.params.total_num_steps",
+     "needs it"),
+    ({"type": "WarmupLR", "params": {"warmup_type": "cubic"}}, "scheduler.params.warmup_type", "linear or log"),
     ({"type": "WarmupCosineLR", "params": {"warmup_type": "linear"}}, "scheduler.params.total_num_steps",
      "needs it"),
     ({"type": "WarmupLR", "params": {"total_num_steps": 10, "warmup_type": "linear"}},
      "scheduler.params.total_num_steps", "not a parameter of DeepSpeed's WarmupLR"),
-    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}, "scheduler.type", "cyclic"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}, "scheduler.type", "zerompi.initialize runs"),
 ])
 def test_schedules_that_cannot_map_exactly_are_refused_by_key(train, scheduler, key, why):
     with pytest.raises(ConfigError) as e:
         train({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": scheduler})
     assert e.value.key == f"deepspeed_config.{key}" and why in e.value.why
-    if key.endswith("warmup_type") and "warmup_type" not in scheduler["params"]:
-        assert e.value.value == "log (DeepSpeed's default)"
 
 
 def test_schedule_fields_are_checked():

@@ -107,8 +107,8 @@ def test_overflow_weights_and_state_dict():
     fused.step(1.0, [False] * len(NUMELS))
     assert fused.steps == [0] * len(NUMELS) and torch.equal(before, st.master)
     sd = {"steps": [4, 0, 1, 2, 3, 4, 5], "param_groups": [dict(g, lr=0.5) for g in param_groups()]}
-    fused.load_state_dict(sd)
-    assert fused.state_dict()["steps"] == sd["steps"] and fused.param_groups[1]["lr"] == 0.5
+    fused.load_hyper_state(sd)
+    assert fused.hyper_state()["steps"] == sd["steps"] and fused.param_groups[1]["lr"] == 0.5
     rows = fused.step_rows(0.5, [True, False, True, True, True, True, True])
     active = rows[:, 8] == 1
     assert active.tolist() == [s.param != 1 for s in segs]

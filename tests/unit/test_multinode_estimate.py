@@ -3,7 +3,7 @@
 against brute-force counts and the simulated cluster's measurements, the engine's
 collectives mapped onto MPI's, the run's own mode (its config's zero.* keys) in the
 sizing, every mode priced at 4096 ranks, the time on a node's links, and the CLI. Pure
-arithmetic, no MPI (the measurements: benchmarks/bench_multinode.py, bench_hierarchy.py)."""
+arithmetic, no MPI (the measurements: benchmarks/bench_nodes.py)."""
 from __future__ import annotations
 
 import json
@@ -81,7 +81,7 @@ def test_one_node_sends_nothing_and_bad_layouts_are_refused():
 
 def test_wire_model_matches_the_simulated_cluster():
     """The byte counts measured on 2 simulated nodes x 2 ranks (MPICH over TCP, veth
-    counters, benchmarks/bench_hierarchy.py): an 8 MiB alltoall sends 2.0 x 8 MiB across
+    counters, benchmarks/bench_nodes.py): an 8 MiB alltoall sends 2.0 x 8 MiB across
     nodes, a ring all-gather 1.5 x, a 64 KiB all-gather (recursive doubling) 2.0 x."""
     B8 = 8 << 20
     assert wire("alltoall", B8, 4, 2, 2)[0] == 2 * B8

@@ -31,7 +31,7 @@ class Odd(nn.Module):
     def forward(self, idx, targets=None):
         h = self.emb(idx)
         h = h + self.body(h) * self.scale
-        h = h + 0.1 * self.frozen(h) * self.mask
+        h = h + 0.1 * self.frozen(h) * self.mask.to(h.dtype)  # fp32 buffer (zero.buffer_dtype keep)
         logits = self.head(h).float() + self.bias.float()
         if targets is None:
             return logits
@@ -75,6 +75,10 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return Shapes()
     if kind in zoo.KINDS + zoo.LATE_KINDS:  # the models of issue 13, transformers ones included
         return zoo.make_zoo(kind, seed)
+    if kind == "llama":
+        from zerompi.models.llama import Llama, PRESETS as LLAMA
+
+        return Llama(LLAMA["tiny"])
     if kind not in ("gpt", "tiny"):
         raise ValueError(f"unknown test model {kind!r}")
     from zerompi.models.gpt import GPT, PRESETS

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")  # transformers' config chatter
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--mode", default="bitwise")
-ap.add_argument("--kinds", default=",".join(zoo.KINDS + ("gpt", "odd", "shapes")))
+ap.add_argument("--kinds", default=",".join(zoo.KINDS + ("gpt", "llama", "odd", "shapes")))
 a = ap.parse_args()
 world = MPI.COMM_WORLD
 rank, N = world.rank, world.size

@@ -17,6 +17,7 @@ from mpi4py import MPI
 import zerompi
 from common import global_batch, micro_slices, reference_run
 from zerompi.models.gpt import GPT, GPTConfig
+from zerompi.models.llama import Llama, LlamaConfig
 from zerompi.parallel.parallelize import parallelize
 from zerompi.parallel import ParallelDims
 from zerompi.zero.tensor_parallel_state import assemble_full
@@ -38,6 +39,7 @@ ap.add_argument("--impl", default="auto", help="optimizer.implementation")
 # blocks) cost 3x the time at stage 3 on 4 ranks sharing 2 cores, for no other coverage
 # (bucket-size invariance: tests/multirank/test_buckets.py)
 ap.add_argument("--bucket", type=int, default=3000, help="bucket_size")
+ap.add_argument("--family", default="gpt", help="gpt | llama (GQA: 4 query heads, 2 kv heads)")
 ap.add_argument("--save", default=None)
 ap.add_argument("--load", default=None)
 a = ap.parse_args()
@@ -45,11 +47,13 @@ a = ap.parse_args()
 world = MPI.COMM_WORLD
 LR, CLIP = 1e-3, 1.0
 GPT_CFG = GPTConfig(vocab_size=a.vocab, block_size=32, n_layer=2, n_head=4, n_embd=32)
+LLAMA_CFG = LlamaConfig(vocab_size=a.vocab, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                        intermediate_size=64)
 
 
 def make():
     torch.manual_seed(0)
-    return GPT(GPT_CFG)
+    return Llama(LLAMA_CFG) if a.family == "llama" else GPT(GPT_CFG)
 
 
 def estimate(stage: int, zcfg, dims) -> dict:
@@ -132,7 +136,7 @@ for stage in [int(s) for s in a.stages.split(",")]:
     if world.rank == 0:
         result[key]["init_mismatch"] = sorted({n for b in bad for n in b})
         result[key]["memory"] = engine.memory_report()
-        if a.tp > 1:  # (at tp 1 this worker still pads the vocabulary; the train command does not split)
+        if a.tp > 1 and a.family == "gpt":  # the estimator knows GPT shapes; (at tp 1 this worker still pads the vocabulary; the train command does not split)
             result[key]["estimate"] = estimate(stage, zerompi.load_config(cfg), dims)
 if world.rank == 0:
     with open(a.out, "w") as f:

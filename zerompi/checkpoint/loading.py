@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import runtime
+from ..optim import schedulers
 from . import directory as dirs
 from . import format as fmt
 from . import verify as ver
@@ -127,6 +128,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
             return out
 
         engine.import_state(fetch, meta["steps"], meta["param_groups"], meta["scaler"], meta["counters"])
+        schedulers.load_state(engine, manifest.get("lr_scheduler"))
         with torch.no_grad():
             for name, t, _ in module_tensors(engine):
                 t.copy_(torch.from_numpy(np.asarray(extra[name])).reshape(t.shape))

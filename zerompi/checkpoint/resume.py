@@ -35,7 +35,7 @@ class ResumeError(JobError):
     exit_code = 2  # like a bad config: the command needs changing, not a retry
 
 
-def _candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
+def candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
     """(checkpoint paths to try in order, warnings). Runs on rank 0 only."""
     if resume_from:
         paths = (resume_from, os.path.join(ckpt_dir, resume_from))
@@ -81,21 +81,21 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
     found, err = ([], []), None
     if world.rank == 0:
         try:
-            found = _candidates(ckpt_dir, resume_from)
+            found = candidates(ckpt_dir, resume_from)
         except (ResumeError, CheckpointError, OSError) as e:
             err = str(e)
     problems = runtime.agree(world, err)
     if problems:
         raise ResumeError(problems[0][2])
-    candidates, notes = world.bcast_object(found)
+    paths, notes = world.bcast_object(found)
     for n in notes:
         say(f"WARNING: {n}", rank=world.rank)
-    if not candidates:
+    if not paths:
         say(f"no checkpoint in {ckpt_dir}: starting a FRESH run at step 0", rank=world.rank)
         return None
 
     wanted = _hyper(engine)
-    for i, path in enumerate(candidates):
+    for i, path in enumerate(paths):
         # Rank 0 chose it; a rank that cannot even see it points at the filesystem. When
         # rank 0 cannot either, the directory has no manifest: damaged, or a save that
         # never finished, to be skipped like any other damage.

@@ -36,6 +36,7 @@ import h5py
 import torch
 
 from .. import runtime
+from ..optim import schedulers
 from . import directory as dirs
 from . import format as fmt
 from .format import CheckpointError
@@ -47,7 +48,8 @@ from .writer import model_tensors, rank_file_bytes, write_rank_file
 _PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp: str | None) -> dict:
+def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp: str | None,
+                    sched_json: str | None = None) -> dict:
     from ..version import __version__
     from ..config import to_dict
 
@@ -82,6 +84,7 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
         "config": to_dict(cfg),
         "tensors": tensors, "module_tensors": infos[0]["module"], "aliases": aliases,
         "files": files, "client_state": json.loads(client_json),
+        "lr_scheduler": json.loads(sched_json or "null"),  # engine.lr_scheduler's state (optim/schedulers.py)
     }
 
 
@@ -119,9 +122,11 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
     rank 0's directory together. Returns what step 5 (finish) needs."""
     comm = engine.dims.world
     directory = os.path.abspath(os.fspath(directory))
-    err, client_json = None, None
+    err, client_json, sched_json = None, None, None
     try:
         client_json = fmt.client_state_json(client_state)
+        engine.settle()  # a step decided on the device steps the scheduler when read
+        sched_json = schedulers.state_json(engine)
         tag = fmt.check_tag(f"step-{engine.global_steps}" if tag is None else tag)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: must be a positive int or None")
@@ -149,7 +154,7 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
                         f"save_checkpoint to {os.path.join(directory, tag)}", CheckpointError)
     check_shared_once(engine.dims, directory, tmp)  # first save of a multi-node job: all nodes see it
     return {"directory": directory, "tmp": tmp, "tag": tag, "target": os.path.join(directory, tag),
-            "client_json": client_json, "keep_last": keep_last,
+            "client_json": client_json, "sched_json": sched_json, "keep_last": keep_last,
             "lowp": fmt.lowp_kind(engine.config.precision),
             "path": os.path.join(tmp, fmt.rank_file(comm.rank))}
 
@@ -179,7 +184,7 @@ def agree_written(engine, s: dict, info: dict | None, err: str | None, all_done:
 
 def manifest_of(engine, s: dict, infos: list[dict]) -> dict:
     """Rank 0: the manifest of the files written, checked: never publish what load would reject."""
-    manifest = _build_manifest(engine, s["tag"], infos, s["client_json"], s["lowp"])
+    manifest = _build_manifest(engine, s["tag"], infos, s["client_json"], s["lowp"], s.get("sched_json"))
     gaps = check_coverage(manifest)
     if gaps:
         raise RuntimeError("exported pieces do not cover the model: " + "; ".join(gaps[:4]))

@@ -30,9 +30,10 @@ _OPS = ("sum", "max", "min", "lor")
 
 
 def mpi_module():
-    from mpi4py import MPI
+    """mpi4py.MPI; the first import starts MPI under the start-up deadline (runtime/startup.py)."""
+    from ..runtime import mpi
 
-    return MPI
+    return mpi()
 
 
 _MPI_TYPES = None

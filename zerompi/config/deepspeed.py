@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .deepspeed_optim import ELEMENTWISE, elementwise, only
 from .deepspeed_keys import ALIASES, BLOCKS, DS_VERSION, IGNORE, MAP, TABLE, lookup, switched_on
 from .deepspeed_values import AUTO, Values
 from .deepspeed_zero import map_zero
@@ -26,11 +27,12 @@ from .zero import ZeroConfig
 ADAM = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names
 SCHEDULES = {"WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
                           "last_batch_iteration"),
+             "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                               "warmup_type", "last_batch_iteration"),
              "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
                                 "warmup_type", "last_batch_iteration")}
-_REFUSED_SCHEDULES = {"WarmupDecayLR": "linear decay to 0 after the warm-up; zerompi's schedules decay by cosine "
-                      "or not at all, so it cannot be mapped exactly",
-                      "OneCycle": "cyclic lr and momentum are not implemented",
+_REFUSED_SCHEDULES = {"OneCycle": "cyclic lr and momentum are not in the trainer (zerompi.initialize runs "
+                      "DeepSpeed's OneCycle)",
                       "LRRangeTest": "an lr range test is not a training schedule"}
 # Top-level keys that mark a dict as a DeepSpeed config (none is a zerompi key; "fp16"
 # and "optimizer" are both, so they mark only in DeepSpeed's shape).
@@ -134,7 +136,7 @@ def translate(ds: Mapping, world_size: "int | Callable[[], int]" = None, run: Ru
         elif entry.action == IGNORE and not entry.quiet and switched_on(value):
             t.ignored.append(name)
     ws = _world(world_size, run)
-    _optimizer(ctx, t, run)
+    _optimizer(ctx, t, run, trainer)
     _schedule(ctx, t, run, trainer)
     _clipping(ctx, t)
     _batch(ctx, t, ws, run)
@@ -149,12 +151,15 @@ def _check_types(ds: Mapping, trainer: bool) -> None:
     """optimizer.type and scheduler.type first: their refusal says more than a parameter
     the other optimizer or schedule does not know."""
     opt = ds.get("optimizer")
-    if isinstance(opt, Mapping) and opt and str(opt.get("type")).lower() not in ADAM:
-        raise ConfigError("optimizer.type", opt.get("type"), "zerompi trains with AdamW only (DeepSpeed's Adam and "
-                          "AdamW map onto it); other optimizers are refused" if "type" in opt else "missing: "
-                          "DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW) or remove the block")
+    if isinstance(opt, Mapping) and opt and str(opt.get("type")).lower() not in ADAM + ELEMENTWISE:
+        raise ConfigError("optimizer.type", opt.get("type"), "zerompi trains with AdamW (DeepSpeed's Adam and "
+                          "AdamW map onto it), SGD and Adagrad; other optimizers (LAMB, Lion, OneBitAdam, ...: "
+                          "whole-tensor statistics or compressed communication) are refused" if "type" in opt
+                          else "missing: DeepSpeed then ignores optimizer.params; give the type (Adam, AdamW, SGD, "
+                          "Adagrad) or remove the block")
     sch = ds.get("scheduler")
-    if isinstance(sch, Mapping) and sch.get("type") not in SCHEDULES and not _all_auto(sch):
+    known = SCHEDULES if trainer else (*SCHEDULES, "OneCycle")  # initialize: optim/ds_schedules.py
+    if isinstance(sch, Mapping) and sch.get("type") not in known and not _all_auto(sch):
         why = _REFUSED_SCHEDULES.get(sch.get("type"), "not a DeepSpeed schedule zerompi maps (WarmupLR and "
                                      "WarmupCosineLR with warmup_type linear are)")
         raise ConfigError("scheduler.type", sch.get("type"), why)
@@ -226,13 +231,20 @@ def _precision(ctx: Values, t: Translation, run: Run) -> str:
     return precision
 
 
-def _optimizer(ctx: Values, t: Translation, run: Run) -> None:
+def _optimizer(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
     """DeepSpeed's Adam/AdamW with its defaults (FusedAdam's and CPUAdam's; torch.optim.AdamW's
     weight_decay 0.01 with torch_adam). No optimizer block: the client's (the run's)."""
     if not any(k.startswith("optimizer.") for k in ctx.flat):
         return
     t.optimizer = True
     kind = str(ctx.get("optimizer.type")).lower()
+    if kind in ELEMENTWISE:
+        if trainer:
+            raise ConfigError(ctx.name("optimizer.type"), ctx.get("optimizer.type"), "python -m zerompi.train "
+                              "trains with AdamW; SGD and Adagrad run through zerompi.initialize")
+        t.zero["optimizer"] = elementwise(ctx, t, kind)
+        return
+    only(ctx, ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"), f"DeepSpeed's {kind}")
     torch_adam = ctx.get("optimizer.params.torch_adam") is True
     # DeepSpeed's "AdamW" is always decoupled; its "Adam" unless adam_w_mode is false
     decoupled = ctx.get("optimizer.params.adam_w_mode") is not False or kind == "adamw"
@@ -267,51 +279,60 @@ def _clipping(ctx: Values, t: Translation) -> None:
 
 
 def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
-    """WarmupLR / WarmupCosineLR (linear warm-up) onto the trainer's deepspeed_* schedules
-    (zerompi/trainer/schedule.py); all-"auto" parameters: the trainer's own schedule."""
+    """WarmupLR / WarmupDecayLR / WarmupCosineLR onto the trainer's deepspeed_* schedules
+    (zerompi/trainer/schedule.py). "auto" parameters take the run's numbers, as the Hugging
+    Face integration fills them in (warmup_min_lr 0, warmup_max_lr lr, warmup_num_steps,
+    total_num_steps), and the block's type runs, as DeepSpeed builds it (with its default
+    warmup_type log when absent). zerompi.initialize: the block is built there."""
     params = [k for k in ctx.flat if k.startswith("scheduler.params.")]
     if "scheduler.type" not in ctx.flat and not params:
         return
     kind = ctx.get("scheduler.type", None)
-    if params and all(ctx.auto(k) for k in params):
+    if params and all(ctx.auto(k) for k in params) and not (trainer and kind in SCHEDULES):
         t.schedule = "auto"
         ctx.read.update(params)
         return
-    if not trainer:
-        raise ConfigError(ctx.name("scheduler.type"), kind, "zerompi.initialize has no LR scheduler: set "
-                          "engine.param_groups[i]['lr'] in your loop (python -m zerompi.train maps WarmupLR and "
-                          "WarmupCosineLR exactly)")
+    if not trainer:  # zerompi.initialize builds it from the block (zero/client_optim.py, ds_schedules.py)
+        from .deepspeed_schedules import PARAMS
+        for k in params:
+            if k.rpartition(".")[2] not in PARAMS[kind]:
+                raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")
+        ctx.read.update(params)
+        ctx.read.add("scheduler.type")
+        t.schedule = kind
+        return
     for k in params:
         if k.rpartition(".")[2] not in SCHEDULES[kind]:
             raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")
     wt = ctx.get("scheduler.params.warmup_type")
-    if wt not in ("linear", AUTO):  # auto: the trainer's own warm-up, which is linear
-        raise ConfigError(ctx.name("scheduler.params.warmup_type"), f"{wt}" + ("" if ctx.given(
-            "scheduler.params.warmup_type") else " (DeepSpeed's default)"), "a logarithmic warm-up cannot be "
-            "mapped exactly onto zerompi's linear warm-up; set warmup_type to \"linear\" (a different schedule)")
+    if wt not in ("linear", "log", AUTO):  # auto: the trainer's own warm-up, which is linear
+        raise ConfigError(ctx.name("scheduler.params.warmup_type"), wt, "linear or log (DeepSpeed's default)")
     if ctx.number("scheduler.params.last_batch_iteration", low=-1, integer=True) != -1:
         raise ConfigError(ctx.name("scheduler.params.last_batch_iteration"), ctx.flat[
             "scheduler.params.last_batch_iteration"][1], "only -1 (start at the beginning) is supported")
     t.schedule = kind
     tr = t.trainer
+    tr["warmup_type"] = "linear" if wt == AUTO else wt
     w = run("warmup_steps") if ctx.auto("scheduler.params.warmup_num_steps") else \
         ctx.number("scheduler.params.warmup_num_steps", integer=True, low=1)
     tr["warmup_steps"] = max(2, int(w))  # DeepSpeed warms up over at least 2 steps
     opt_lr = t.zero.get("optimizer", {}).get("lr")
     peak = run("zero.optimizer.lr") if opt_lr is None or "zero.optimizer.lr" in run.cli else opt_lr
-    if kind == "WarmupLR":
-        tr["lr_schedule"] = "deepspeed_warmup"
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        tr["lr_schedule"] = "deepspeed_warmup" if kind == "WarmupLR" else "deepspeed_warmup_decay"
         tr["warmup_start_lr"] = 0.0 if ctx.auto("scheduler.params.warmup_min_lr") else \
             ctx.number("scheduler.params.warmup_min_lr")
-        if ctx.given("scheduler.params.warmup_max_lr"):  # the peak; absent: the optimizer's lr
-            t.zero.setdefault("optimizer", {})["lr"] = ctx.number("scheduler.params.warmup_max_lr")
+        # the peak; absent: WarmupLR the optimizer's lr, WarmupDecayLR DeepSpeed's 0.001; auto: the run's
+        if ctx.given("scheduler.params.warmup_max_lr") or (kind == "WarmupDecayLR" and not ctx.auto(
+                "scheduler.params.warmup_max_lr")):
+            t.zero.setdefault("optimizer", {})["lr"] = ctx.number("scheduler.params.warmup_max_lr", 0.001)
             t.lr_key = ctx.name("scheduler.params.warmup_max_lr")
+        if kind == "WarmupLR":
+            return
+        _total_steps(ctx, tr, kind)
         return
     tr["lr_schedule"] = "deepspeed_warmup_cosine"
-    if "scheduler.params.total_num_steps" not in ctx.flat:
-        raise ConfigError("scheduler.params.total_num_steps", None, "WarmupCosineLR needs it (DeepSpeed too)")
-    if not ctx.auto("scheduler.params.total_num_steps"):  # auto: the run's lr_decay_steps / max_steps
-        tr["lr_decay_steps"] = max(1, ctx.number("scheduler.params.total_num_steps", integer=True))
+    _total_steps(ctx, tr, kind)
     ratio = 0.0 if ctx.auto("scheduler.params.warmup_min_ratio") else ctx.number("scheduler.params.warmup_min_ratio")
     tr["warmup_start_lr"] = ratio * peak
     if not ctx.auto("scheduler.params.cos_min_ratio"):
@@ -320,6 +341,13 @@ def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
             raise ConfigError(ctx.name("scheduler.params.cos_min_ratio"), low, "must be <= 1 (a floor above the "
                               "peak is not a decay)")
         tr["min_lr"] = low * peak
+
+
+def _total_steps(ctx: Values, tr: dict, kind: str) -> None:
+    if "scheduler.params.total_num_steps" not in ctx.flat:
+        raise ConfigError("scheduler.params.total_num_steps", None, f"{kind} needs it (DeepSpeed too)")
+    if not ctx.auto("scheduler.params.total_num_steps"):  # auto: the run's lr_decay_steps / max_steps
+        tr["lr_decay_steps"] = max(1, ctx.number("scheduler.params.total_num_steps", integer=True))
 
 
 def _batch(ctx: Values, t: Translation, dp, run: Run) -> None:

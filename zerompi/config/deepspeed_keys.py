@@ -103,11 +103,12 @@ _TABLE = [
         doc_default="the parameters' dtype"),
     Key("data_types.param_dtype", MAP, "checked: must be the bf16/fp16 block's dtype (DeepSpeed checks it too)",
         doc_default="the bf16/fp16 block's dtype"),
-    Key("data_types.buffer_dtype", MAP, "checked: zerompi casts floating buffers to the parameters' dtype, so only "
-        "that dtype is accepted", doc_default="buffers keep their dtype"),
+    Key("data_types.buffer_dtype", MAP, 'buffer_dtype: "fp32", or "param" for the parameters\' dtype',
+        doc_default="buffers keep their dtype (buffer_dtype keep)"),
     Key("seq_parallel_communication_data_type", IGNORE, "used only with sequence parallelism", "fp32"),
     # -- optimizer ----------------------------------------------------------------------
-    Key("optimizer.type", MAP, "Adam / AdamW (any case): zerompi's AdamW; any other optimizer is refused",
+    Key("optimizer.type", MAP, "Adam / AdamW (any case): zerompi's AdamW; SGD / Adagrad: torch's, over the "
+        "shard (optimizer.type sgd / adagrad); any other optimizer is refused",
         doc_default="none: the client's optimizer (here: --config's)"),
     Key("optimizer.params.lr", MAP, "optimizer.lr", 1e-3),
     Key("optimizer.params.betas", MAP, "optimizer.betas", (0.9, 0.999)),
@@ -118,6 +119,11 @@ _TABLE = [
         "decay (L2 in the gradient) is refused", True),
     Key("optimizer.params.torch_adam", MAP, "the weight_decay default (torch.optim.AdamW's 0.01); otherwise "
         "only the implementation", False),
+    Key("optimizer.params.momentum", MAP, "optimizer.momentum (SGD)", 0.0),
+    Key("optimizer.params.dampening", MAP, "optimizer.dampening (SGD)", 0.0),
+    Key("optimizer.params.nesterov", MAP, "optimizer.nesterov (SGD)", False),
+    Key("optimizer.params.lr_decay", MAP, "optimizer.lr_decay (Adagrad)", 0.0),
+    Key("optimizer.params.initial_accumulator_value", MAP, "optimizer.initial_accumulator_value (Adagrad)", 0.0),
     Key("optimizer.params.bias_correction", REFUSE, "Adam without bias correction; zerompi always corrects",
         True, allowed=(True,)),
     Key("optimizer.params.amsgrad", REFUSE, "AMSGrad is not implemented", False),
@@ -140,21 +146,38 @@ _TABLE = [
     Key("prescale_gradients", IGNORE, "divides before instead of after the reduction: the same mean", False),
     Key("gradient_predivide_factor", IGNORE, "splits the division around the reduction: the same mean", 1.0),
     Key("sparse_gradients", IGNORE, "the communication format of embedding gradients", False),
-    # -- scheduler (python -m zerompi.train; zerompi.initialize has no scheduler object) --
-    Key("scheduler.type", MAP, "lr_schedule: WarmupLR -> deepspeed_warmup, WarmupCosineLR -> "
-        "deepspeed_warmup_cosine (warmup_type linear); all params \"auto\": the trainer's own schedule; "
-        "WarmupDecayLR, OneCycle, LRRangeTest and torch schedulers are refused", doc_default="none: constant lr"),
-    Key("scheduler.params.warmup_min_lr", MAP, "warmup_start_lr (WarmupLR)", 0.0),
-    Key("scheduler.params.warmup_max_lr", MAP, "optimizer.lr, the peak (WarmupLR)",
-        doc_default="the optimizer's lr"),
-    Key("scheduler.params.warmup_num_steps", MAP, "warmup_steps (at least 2, as DeepSpeed)", 1000),
-    Key("scheduler.params.warmup_type", MAP, "linear only; log (DeepSpeed's default) is refused: no "
-        "zerompi schedule warms up logarithmically", "log"),
-    Key("scheduler.params.total_num_steps", MAP, "lr_decay_steps (WarmupCosineLR)",
-        doc_default="required by WarmupCosineLR"),
-    Key("scheduler.params.warmup_min_ratio", MAP, "warmup_start_lr = ratio x lr (WarmupCosineLR)", 0.0),
-    Key("scheduler.params.cos_min_ratio", MAP, "min_lr = ratio x lr (WarmupCosineLR)", 1e-4),
+    # -- scheduler: zerompi.initialize builds it (engine.lr_scheduler, optim/ds_schedules.py, every
+    # parameter with DeepSpeed's meaning); python -m zerompi.train maps it onto its lr_schedule --
+    Key("scheduler.type", MAP, "zerompi.initialize: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle as "
+        "DeepSpeed builds them (engine.lr_scheduler, stepped after each applied update). The trainer: "
+        "WarmupLR -> deepspeed_warmup, WarmupDecayLR -> deepspeed_warmup_decay, WarmupCosineLR -> "
+        "deepspeed_warmup_cosine, \"auto\" params filled with the run's numbers (as the HF integration does); "
+        "OneCycle refused there. LRRangeTest refused", doc_default="none: constant lr"),
+    Key("scheduler.params.warmup_min_lr", MAP, "WarmupLR/WarmupDecayLR's; trainer: warmup_start_lr", 0.0),
+    Key("scheduler.params.warmup_max_lr", MAP, "WarmupLR/WarmupDecayLR's peak; trainer: optimizer.lr",
+        doc_default="WarmupLR: the optimizer's lr; WarmupDecayLR: 0.001"),
+    Key("scheduler.params.warmup_num_steps", MAP, "as DeepSpeed (at least 2); trainer: warmup_steps", 1000),
+    Key("scheduler.params.warmup_type", MAP, "log or linear; trainer: warmup_type", "log"),
+    Key("scheduler.params.total_num_steps", MAP, "WarmupDecayLR/WarmupCosineLR's; trainer: lr_decay_steps",
+        doc_default="required by WarmupDecayLR and WarmupCosineLR"),
+    Key("scheduler.params.warmup_min_ratio", MAP, "WarmupCosineLR's; trainer: warmup_start_lr = ratio x lr", 0.0),
+    Key("scheduler.params.cos_min_ratio", MAP, "WarmupCosineLR's; trainer: min_lr = ratio x lr", 1e-4),
     Key("scheduler.params.last_batch_iteration", MAP, "-1 only (a schedule starting mid-way is refused)", -1),
+    Key("scheduler.params.cycle_min_lr", MAP, "OneCycle's (zerompi.initialize)", doc_default="required"),
+    Key("scheduler.params.cycle_max_lr", MAP, "OneCycle's (zerompi.initialize)", doc_default="required"),
+    Key("scheduler.params.decay_lr_rate", MAP, "OneCycle's (zerompi.initialize)", 0.0),
+    Key("scheduler.params.cycle_first_step_size", MAP, "OneCycle's (zerompi.initialize)", 2000),
+    Key("scheduler.params.cycle_second_step_size", MAP, "OneCycle's (zerompi.initialize)",
+        doc_default="cycle_first_step_size"),
+    Key("scheduler.params.cycle_first_stair_count", MAP, "OneCycle's (zerompi.initialize)", 0),
+    Key("scheduler.params.cycle_second_stair_count", MAP, "OneCycle's (zerompi.initialize)",
+        doc_default="cycle_first_stair_count"),
+    Key("scheduler.params.decay_step_size", MAP, "OneCycle's (zerompi.initialize)", 0),
+    Key("scheduler.params.cycle_momentum", MAP, "OneCycle's: cycles betas[0] (and sets betas[1] 0.99, as "
+        "DeepSpeed)", True),
+    Key("scheduler.params.cycle_min_mom", MAP, "OneCycle's (zerompi.initialize)", 0.8),
+    Key("scheduler.params.cycle_max_mom", MAP, "OneCycle's (zerompi.initialize)", 0.9),
+    Key("scheduler.params.decay_mom_rate", MAP, "OneCycle's (zerompi.initialize)", 0.0),
     # -- ZeRO ---------------------------------------------------------------------------
     Key("zero_optimization.stage", MAP, "stage (0-3, same meaning)", 0),
     Key("zero_optimization.reduce_bucket_size", MAP, "the largest bucket_size whose reduction buffers take no "

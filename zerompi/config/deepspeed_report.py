@@ -37,15 +37,21 @@ def _dtype(zero, which: str) -> str:
 
 def _schedule(t: Translation, train) -> str:
     if train is None:
-        return ("your loop's (\"auto\")" if t.schedule == "auto" else "none") + ": the engine has no scheduler; " \
-            "set engine.param_groups' lr in your loop"
+        if t.schedule not in ("auto", "none"):
+            return f"DeepSpeed's {t.schedule} as engine.lr_scheduler, stepped after each applied update"
+        return ("your loop's (\"auto\")" if t.schedule == "auto" else "none") + ": pass lr_scheduler= to " \
+            "zerompi.initialize, or set engine.param_groups' lr in your loop"
     lr, w, a, low = train.zero.optimizer.lr, train.warmup_steps, train.warmup_start_lr, train.min_lr
     end = train.lr_decay_steps or train.max_steps
+    shape = train.warmup_type
     if train.lr_schedule == "deepspeed_warmup":
-        return (f"WarmupLR, linear, by applied updates: {a:g} at updates 0 and 1, linear to {lr:g} at update "
+        return (f"WarmupLR, {shape} warm-up, by applied updates: {a:g} at updates 0 and 1, to {lr:g} at update "
                 f"{w + 1}, then constant")
+    if train.lr_schedule == "deepspeed_warmup_decay":
+        return (f"WarmupDecayLR, {shape} warm-up, by applied updates: {a:g} at updates 0 and 1, to {lr:g} at "
+                f"update {w + 1}, then linear decay to {a:g} at update {end + 1}")
     if train.lr_schedule == "deepspeed_warmup_cosine":
-        return (f"WarmupCosineLR, linear, by applied updates: 0 at update 0, from {a:g} at update 1 linearly towards "
+        return (f"WarmupCosineLR, {shape} warm-up, by applied updates: 0 at update 0, from {a:g} at update 1 towards "
                 f"{lr:g} over {w} updates, then cosine to {low:g} at update {end}")
     why = {"auto": "the scheduler's parameters are all \"auto\"", "none": "the file has no scheduler"}[t.schedule]
     return (f"the trainer's own ({why}): linear warm-up to {lr:g} over {w} steps, cosine to {low:g} at step {end}")
@@ -57,6 +63,13 @@ def effective(t: Translation, zero, train=None, dp: int | None = None) -> str:
     opt = (f"optimizer AdamW lr {o.lr:g}, betas ({o.betas[0]:g}, {o.betas[1]:g}), eps {o.eps:g}, weight_decay "
            f"{o.weight_decay:g}" + (" (biases and norms 0: the trainer's groups)" if train else "")
            + ", bias-corrected, decoupled" + ("" if t.optimizer else " (the run's: the file has no optimizer)"))
+    if o.type == "sgd":
+        opt = (f"optimizer SGD lr {o.lr:g}, momentum {o.momentum:g}, dampening {o.dampening:g}, nesterov "
+               f"{o.nesterov}, weight_decay {o.weight_decay:g} (torch.optim.SGD's update)")
+    elif o.type == "adagrad":
+        opt = (f"optimizer Adagrad lr {o.lr:g}, lr_decay {o.lr_decay:g}, initial_accumulator_value "
+               f"{o.initial_accumulator_value:g}, eps {o.eps:g}, weight_decay {o.weight_decay:g} "
+               "(torch.optim.Adagrad's update)")
     prec = (f"precision {zero.precision} (gradients reduced in {_dtype(zero, 'reduce_dtype')}, accumulated in "
             f"{_dtype(zero, 'grad_accum_dtype')}")
     if zero.precision == "fp16":

@@ -27,13 +27,12 @@ def map_zero(v: Values, t, precision: str, dp, run) -> None:
         z["reduce_dtype"] = v.dtype("communication_data_type", precision)
     if not v.auto("data_types.grad_accum_dtype"):
         z["grad_accum_dtype"] = v.dtype("data_types.grad_accum_dtype", precision)
-    for key in ("data_types.param_dtype", "data_types.buffer_dtype"):
-        if v.given(key) and v.dtype(key, precision) == "fp32" and precision != "fp32":
-            raise ConfigError(v.name(key), v.get(key), f"zerompi keeps parameters and floating buffers in the "
-                              f"parameters' dtype ({precision}) and fp32 master weights in the optimizer")
-    if precision != "fp32" and not v.given("data_types.buffer_dtype"):
-        t.notes.append(f"floating buffers are cast to {precision} with the parameters (DeepSpeed >= 0.19.2 keeps "
-                       "their dtype unless data_types.buffer_dtype is set)")
+    key = "data_types.param_dtype"
+    if v.given(key) and v.dtype(key, precision) == "fp32" and precision != "fp32":
+        raise ConfigError(v.name(key), v.get(key), f"zerompi keeps parameters in the bf16/fp16 block's dtype "
+                          f"({precision}) and fp32 master weights in the optimizer")
+    if v.given("data_types.buffer_dtype"):  # absent: buffers keep their dtype (DeepSpeed >= 0.19.2)
+        z["buffer_dtype"] = "fp32" if v.dtype("data_types.buffer_dtype", precision) == "fp32" else "param"
     _bucket(v, t, stage, precision, z.get("reduce_dtype", run("zero.reduce_dtype")), overlap, dp, run)
 
 

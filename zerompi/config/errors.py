@@ -10,6 +10,10 @@ class ConfigError(ValueError):
     `zero.optimizer.lr` inside a TrainConfig), so the message names the key as the user
     typed it."""
 
+    # Uncaught, it ends the job with one line from rank 0 and exit 2 (runtime/abort.py):
+    # the ranks load the same config, so they raise it together.
+    rank_0_speaks = True
+
     def __init__(self, key: str, value: Any, why: str):
         self.key, self.value, self.why = key, value, why
         super().__init__(f"config key '{key}' = {value!r}: {why}")

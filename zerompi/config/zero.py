@@ -15,8 +15,13 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters (decoupled weight decay, as torch.optim.AdamW)."""
+    """The optimizer: AdamW (decoupled weight decay, as torch.optim.AdamW), or torch's SGD or
+    Adagrad (elementwise updates, so they partition exactly; zerompi/optim/elementwise.py)."""
 
+    type: str = "adamw"
+    """adamw | sgd | adagrad. sgd and adagrad use momentum/dampening/nesterov and
+    lr_decay/initial_accumulator_value below, weight_decay as torch (L2, in the gradient),
+    and run as torch ops (implementation auto or torch; no offload)."""
     lr: float = 1e-3
     """Learning rate; may be changed during training through ``engine.param_groups``."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -34,7 +39,27 @@ class OptimizerConfig:
     torch's fused CPU AdamW (one pass over memory, not bitwise the single-tensor path),
     auto picks it when the model is on a GPU, torch ops otherwise."""
 
+    momentum: float = 0.0
+    """sgd: momentum factor."""
+    dampening: float = 0.0
+    """sgd: dampening of the momentum."""
+    nesterov: bool = False
+    """sgd: Nesterov momentum (needs momentum > 0 and dampening 0, as torch)."""
+    lr_decay: float = 0.0
+    """adagrad: the learning rate is lr / (1 + (step - 1) lr_decay)."""
+    initial_accumulator_value: float = 0.0
+    """adagrad: the sum of squared gradients starts here."""
+
     def __post_init__(self) -> None:
+        if self.type not in ("adamw", "sgd", "adagrad"):
+            fail("type", self.type, "must be adamw, sgd or adagrad (others are refused: docs/migrating-from-deepspeed.md)")
+        if self.type != "adamw" and self.implementation == "fused":
+            fail("implementation", self.implementation, f"the fused kernels are AdamW's; {self.type} runs as torch ops")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            fail("nesterov", self.nesterov, "needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+        for k in ("momentum", "dampening", "lr_decay", "initial_accumulator_value"):
+            if not getattr(self, k) >= 0:
+                fail(k, getattr(self, k), "must be >= 0")
         if self.implementation not in ("auto", "torch", "fused"):
             fail("implementation", self.implementation, "must be auto, torch or fused")
         if not self.lr >= 0:
@@ -135,7 +160,7 @@ class Stage3Config:
     unit_classes: str = "auto"
     """Module classes whose subtrees are gathered as one unit: "auto" (the repeated blocks
     of a ModuleList/Sequential, e.g. transformer layers) or comma-separated class names
-    ("GPT2Block,MyExpertLayer"). The model itself is always a unit (zero/units.py)."""
+    ("GPT2Block,MyExpertLayer"). The model itself is always a unit (zero/stage3/units.py)."""
     unit_min_elements: int = 0
     """Also make a unit of any other module whose unclaimed subtree holds at least this
     many elements (0: off)."""
@@ -144,7 +169,7 @@ class Stage3Config:
     and reduced together, while the group holds fewer than this many elements, so each
     rank's chunk of its collectives stays large at large N. "auto": the bucket, when
     bucket_size "auto" is above its 2^22 floor (the bucket is then a floor on the per-rank
-    chunk); otherwise 0 (off). An integer: that target at any N (zero/units.py)."""
+    chunk); otherwise 0 (off). An integer: that target at any N (zero/stage3/units.py)."""
     secondary_partition: int | str = "off"
     """off | node | K: ZeRO++'s hpZ. After a unit's forward all-gather each rank keeps its
     slice of the low-precision unit over a small group (its node's data-parallel ranks,
@@ -278,6 +303,9 @@ class ZeroConfig:
     grad_accum_dtype: str = "param"
     """dtype of stored gradients between micro-steps: 'param' (the paper's memory
     numbers) or 'fp32' (exact accumulation, +2 bytes per stored element in bf16/fp16)."""
+    buffer_dtype: str = "keep"
+    """Floating buffers (BatchNorm statistics, a rotary inv_freq) in bf16/fp16 runs: keep
+    (their own dtype, as DeepSpeed >= 0.19.2), fp32, or param (cast with the parameters)."""
     alignment: int = 16
     """Each parameter starts at a multiple of this many elements in the flat buffer."""
     shard_group: int | str = "world"
@@ -324,6 +352,8 @@ class ZeroConfig:
             fail("bucket_count", self.bucket_count, "must be >= 1")
         if self.reduce_dtype not in ("fp32", "param"):
             fail("reduce_dtype", self.reduce_dtype, "must be fp32 or param")
+        if self.buffer_dtype not in ("keep", "fp32", "param"):
+            fail("buffer_dtype", self.buffer_dtype, "must be keep, fp32 or param")
         if self.grad_accum_dtype not in ("fp32", "param"):
             fail("grad_accum_dtype", self.grad_accum_dtype, "must be fp32 or param")
         sg = self.shard_group
@@ -338,6 +368,9 @@ class ZeroConfig:
             fail("max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 0 (0 = never stop)")
         if self.offload_optimizer not in ("none", "cpu"):
             fail("offload_optimizer", self.offload_optimizer, "must be none or cpu")
+        if self.offload_optimizer == "cpu" and self.optimizer.type != "adamw":
+            fail("offload_optimizer", self.offload_optimizer, f"the offloaded optimizer is AdamW's; "
+                 f"optimizer.type {self.optimizer.type} does not offload")
         if self.offload.delayed_update:
             why = ("needs offload_optimizer = cpu" if self.offload_optimizer != "cpu" else
                    "needs the staged pipeline" if self.offload.pipeline == "copy" else

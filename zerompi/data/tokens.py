@@ -1,6 +1,7 @@
 """Token datasets and deterministic, world-size-independent batch sampling.
 
-Pure numpy/h5py/torch: nothing here knows about MPI or ZeRO.
+Pure numpy/h5py/torch (imported where batches are made, so that `python -m
+zerompi.prepare` starts without it): nothing here knows about MPI or ZeRO.
 
 Sources (see :func:`open_tokens`):
   * ``"default"``: byte-level tokens of this Python's stdlib sources, built
@@ -17,12 +18,14 @@ import os
 import pathlib
 import sys
 import sysconfig
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
-import torch
 
 from ..runtime.fileio import atomic_write
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "Tokens", "H5Tokens", "TokenRange", "cache_dir_path",
@@ -250,18 +253,62 @@ class TokenSampler:
     unequal (even zero) rows; weight per-rank mean losses by :meth:`rows` /
     ``global_batch`` for an exact global mean.
 
+    ``order="epoch"``: the step's rows are the next ``global_batch`` sample positions of
+    an epoch walk over the non-overlapping windows (data/epoch.py), counted from
+    :meth:`resume_at`'s position; the row layout is the same.
+
     Eval batches (:meth:`eval_batch`) use sequential non-overlapping windows.
+    ``doc_starts`` (sorted token offsets where documents start) enables :meth:`doc_ids`.
     """
 
-    def __init__(self, tokens: Tokens, block_size: int, seed: int = 0) -> None:
+    def __init__(self, tokens: Tokens, block_size: int, seed: int = 0, *, order: str = "random",
+                 doc_starts: np.ndarray | None = None) -> None:
         if len(tokens) < block_size + 1:
             raise ValueError(f"need at least block_size+1={block_size + 1} tokens, have {len(tokens)}")
+        if order not in ("random", "epoch"):
+            raise ValueError(f"order must be random or epoch, got {order!r}")
         self.tokens, self.block_size, self.seed = tokens, block_size, seed
+        self.order, self.doc_starts = order, doc_starts
+        self.base_step = self.base_position = 0
+        self._perms: dict = {}
+
+    def resume_at(self, step: int, position: int) -> None:
+        """Epoch order: step ``step`` starts at sample position ``position`` (a checkpoint's)."""
+        self.base_step, self.base_position = step, position
+
+    def position(self, step: int, global_batch: int) -> int:
+        """Epoch order: the sample position where step ``step`` starts."""
+        return self.base_position + (step - self.base_step) * global_batch
 
     def offsets(self, step: int, global_batch: int) -> np.ndarray:
         """Start offsets (int64, length ``global_batch``) of step ``step``."""
+        if self.order == "epoch":
+            from .epoch import epoch_windows
+
+            pos = self.position(step, global_batch) + np.arange(global_batch, dtype=np.int64)
+            return epoch_windows(self.seed, self.num_windows(), pos, self._perms) * self.block_size
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.block_size, size=global_batch, dtype=np.int64)
+
+    def doc_ids(self, step: int, micro_step: int, rank: int, world: int, global_batch: int,
+                grad_accum: int = 1) -> torch.Tensor:
+        """Document ids (rows, block_size) of :meth:`batch`'s inputs."""
+        from .epoch import doc_ids
+
+        a, b = self.row_range(micro_step, rank, world, global_batch, grad_accum)
+        import torch  # lazy: prepare (no torch) imports this package
+
+        return torch.from_numpy(doc_ids(self.doc_starts, self.offsets(step, global_batch)[a:b], self.block_size))
+
+    def eval_doc_ids(self, index: int, rank: int, world: int, global_batch: int,
+                     micro_step: int = 0, grad_accum: int = 1) -> torch.Tensor:
+        """Document ids of :meth:`eval_batch`'s inputs."""
+        from .epoch import doc_ids
+
+        import torch
+
+        return torch.from_numpy(doc_ids(self.doc_starts, self._eval_offsets(index, rank, world, global_batch,
+                                                                           micro_step, grad_accum), self.block_size))
 
     @staticmethod
     def row_range(micro_step: int, rank: int, world: int, global_batch: int,
@@ -279,6 +326,8 @@ class TokenSampler:
         return b - a
 
     def _gather(self, offs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         t = self.block_size
         if isinstance(self.tokens, np.ndarray):
             buf = self.tokens[offs[:, None] + np.arange(t + 1)]  # one fancy-index read
@@ -311,9 +360,12 @@ class TokenSampler:
                    micro_step: int = 0, grad_accum: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval batch ``index``: windows ``index*global_batch + i`` (wrapping)
         starting at ``window*block_size``; rows split like :meth:`batch`."""
+        return self._gather(self._eval_offsets(index, rank, world, global_batch, micro_step, grad_accum))
+
+    def _eval_offsets(self, index, rank, world, global_batch, micro_step, grad_accum) -> np.ndarray:
         a, b = self.row_range(micro_step, rank, world, global_batch, grad_accum)
         w = (index * global_batch + np.arange(a, b, dtype=np.int64)) % self.num_windows()
-        return self._gather(w * self.block_size)
+        return w * self.block_size
 
 
 def fingerprint(tokens: Tokens, samples: int = 4, window: int = 4096) -> dict:

@@ -31,7 +31,7 @@ pip MPICH (5.0.2) runs: recursive doubling when B < 512 KiB and n is a power of 
 each carrying n-1 chunks; one rank per node sends them). The scalar all-reduce is a
 tree (reduce-scatter + all-gather by recursive halving and doubling): twice the
 all-gather's bytes. Measured on 2 simulated nodes x 2 ranks (veth counters; benchmarks/
-bench_multinode.py and bench_hierarchy.py): an 8 MiB alltoall 2.0 x B across nodes, a
+bench_nodes.py): an 8 MiB alltoall 2.0 x B across nodes, a
 ring all-gather 1.5 x B, a 64 KiB all-gather 2.0 x B, whole steps of every mode within
 0.4% (the rest: TCP/IP headers, stage 3's agreement rounds, left out here). Every node
 sends the same (block placement): each node's link carries the job's bytes across / M

@@ -72,7 +72,10 @@ def from_params(psi: float, seq_len: int = 0) -> ModelSpec:
 
 def from_train_config(tc) -> ModelSpec:
     """The model of a zerompi.trainer.config.TrainConfig (its preset/shape and block_size)."""
-    cfg = tc.model.gpt_config()
+    cfg = tc.model.shape()
+    if tc.model.kind != "gpt":
+        raise ValueError(f"model.family {tc.model.kind}: the estimator knows the GPT family's shapes only "
+                         "(use --params with the model's parameter count)")
     return ModelSpec(f"{tc.model.preset} (from config)", count_params(cfg), cfg, tc.seq_len)
 
 

@@ -14,13 +14,21 @@ import torch.nn.functional as F
 
 from .gpt_config import PRESETS, GPTConfig, count_params
 
-__all__ = ["GPTConfig", "PRESETS", "GPT", "count_params", "cross_entropy_fp32"]
+__all__ = ["GPTConfig", "PRESETS", "GPT", "count_params", "cross_entropy_fp32", "document_mask"]
 
 
 def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy computed in fp32: bf16/fp16 logits lose too much precision
     in a softmax over a large vocabulary."""
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool attention mask from (B, T) document ids: causal, and only
+    within a document (every token sees itself, so no row is empty)."""
+    t = doc_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,15 +41,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # Widths come from the tensors, so a c_attn holding only some heads' q, k, v rows
         # (parallel/parallelize.py) works unchanged.
         b, t, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         # (B, T, heads * hs) -> (B, heads, T, hs)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        # mask (B, 1, T, T) bool, True = may attend: causal within each document
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
         )
         y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.c_proj(y))
@@ -66,8 +75,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -113,17 +122,21 @@ class GPT(nn.Module):
             nn.init.normal_(blk.mlp.c_proj.weight, mean=0.0, std=std)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """idx: (B, T) int64 with T <= block_size. Returns logits (B, T, V),
-        or ``(logits, loss)`` with the fp32 mean cross-entropy when targets given."""
+        or ``(logits, loss)`` with the fp32 mean cross-entropy when targets given.
+        doc_ids: optional (B, T) integers, equal for tokens of one document; a token then
+        attends only to earlier tokens of its own document (docs/data.md, "Document mask").
+        Positions stay those of the window (as in Megatron's and llm.c's packing)."""
         _, t = idx.shape
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        mask = document_mask(doc_ids) if doc_ids is not None else None
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for blk in self.h:
-            x = blk(x)
+            x = blk(x) if mask is None else blk(x, mask)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

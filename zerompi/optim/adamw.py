@@ -12,14 +12,18 @@ identical to torch on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from ..config import OptimizerConfig
+from .base import ShardOptimizer
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+# the group keys of each optimizer.type (torch's names)
+KEYS_OF = {"adamw": GROUP_KEYS, "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
+           "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")}
 
 
 @dataclass(frozen=True)
@@ -51,20 +55,22 @@ def build_groups(model: nn.Module, defaults: OptimizerConfig,
                  param_groups: Sequence[dict] | None) -> tuple[list[dict], dict[int, int]]:
     """torch-style param groups -> (group hyper-parameters, id(param) -> group index).
 
-    Parameters not named in any group fall into group 0 with the config defaults."""
-    base = {"lr": defaults.lr, "betas": tuple(defaults.betas), "eps": defaults.eps,
-            "weight_decay": defaults.weight_decay}
+    Parameters not named in any group fall into group 0 with the config defaults. The
+    keys are those of the config's optimizer type (KEYS_OF)."""
+    keys = KEYS_OF[getattr(defaults, "type", "adamw")]
+    base = {k: (tuple(defaults.betas) if k == "betas" else getattr(defaults, k)) for k in keys}
     groups, owner = [dict(base)], {}
     known = {id(p) for p in model.parameters()}
     for gi, g in enumerate(param_groups or ()):
         if "params" not in g:
             raise ValueError(f"param_groups[{gi}]: missing 'params'")
-        bad = set(g) - set(GROUP_KEYS) - {"params", "name"}
+        bad = set(g) - set(keys) - {"params", "name"}
         if bad:
-            raise ValueError(f"param_groups[{gi}]: unknown keys {sorted(bad)} (valid: {GROUP_KEYS})")
+            raise ValueError(f"param_groups[{gi}]: unknown keys {sorted(bad)} (valid: {keys})")
         hp = dict(base)
-        hp.update({k: g[k] for k in GROUP_KEYS if k in g})
-        hp["betas"] = tuple(hp["betas"])
+        hp.update({k: g[k] for k in keys if k in g})
+        if "betas" in hp:
+            hp["betas"] = tuple(hp["betas"])
         groups.append(hp)
         for p in g["params"]:
             if id(p) not in known:
@@ -85,30 +91,24 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-class ShardedAdamW:
+class ShardedAdamW(ShardOptimizer):
     """AdamW over a segment table; `views(seg)` gives (master, grad, exp_avg, exp_avg_sq,
-    lowp or None) of a segment (ShardState.views). `param_groups` is mutable (LR
-    schedules).
+    lowp or None) of a segment (ShardState.views). A torch.optim.Optimizer (base.py):
+    each step reads its groups' lr, betas, eps and weight_decay, so schedulers work.
 
     As torch.optim.AdamW, a parameter that got no gradient in a step (on any rank) is
     left alone: no weight decay, no moment decay, and its own step count (which drives
     bias correction) does not advance."""
 
-    def __init__(self, segments: Iterable[Segment], views, param_groups: list[dict], num_params: int):
-        self.segments = list(segments)
-        # Host memory never moves, so the views are made once, not every step.
-        self._views = [views(s.shard_lo, s.flat_lo, s.length) for s in self.segments]
-        self.param_groups = param_groups
-        self.steps = [0] * num_params
-
-    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
-        """One update; gradients are multiplied by `grad_coef` (unscale x clip) first;
-        parameters with used[i] False are skipped."""
+    def step(self, grad_coef: float | None = None, used: Sequence[bool] | None = None) -> None:
+        """One update (engine.step() calls it); gradients are multiplied by `grad_coef`
+        (unscale x clip) first; parameters with used[i] False are skipped."""
+        grad_coef = self._engine_call(grad_coef)
         self._count_steps(used)
         for s, (p, g, exp_avg, exp_avg_sq, lowp) in zip(self.segments, self._views):
             if used is not None and not used[s.param]:
                 continue
-            hp = self.param_groups[s.group]
+            hp = self.groups[s.group]
             lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
             step = self.steps[s.param]
             if grad_coef != 1.0 or g.dtype != torch.float32:
@@ -124,47 +124,3 @@ class ShardedAdamW:
             p.addcdiv_(exp_avg, denom, value=-step_size)
             if lowp is not None:
                 lowp.copy_(p)
-
-    def _count_steps(self, used: Sequence[bool] | None) -> None:
-        """Advance the step count of every parameter that got a gradient (every subclass's
-        step starts here: the counts drive bias correction and are checkpointed)."""
-        for i in range(len(self.steps)):
-            if used is None or used[i]:
-                self.steps[i] += 1
-
-    def uncount_steps(self, used: Sequence[bool] | None) -> None:
-        """Take back _count_steps: an update issued on the device that skipped itself
-        (a non-finite gradient, zero/step_coef.py) did not happen."""
-        for i in range(len(self.steps)):
-            if used is None or used[i]:
-                self.steps[i] -= 1
-
-    @property
-    def views(self) -> list:
-        """Per segment: (master, stored gradient, exp_avg, exp_avg_sq, low-precision copy)."""
-        return self._views
-
-    def grad_sq_norm(self, weights: Sequence[float] | None = None) -> torch.Tensor:
-        """Squared L2 norm of the stored gradients of this rank's segments, as a 0-d
-        float64 tensor on their device (no host wait here: the engine reads it once);
-        `weights` (per segment) scales each one's share (tp replicas count 1/tp).
-        Summed in segment order, in float64, as Python floats would be."""
-        total = None
-        for k, (_, g, _, _, _) in enumerate(self._views):
-            sq = torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-            if weights is not None:
-                sq = sq * weights[k]
-            total = sq if total is None else total + sq
-        if total is None:
-            dev = self._views[0][1].device if self._views else torch.device("cpu")
-            total = torch.zeros((), dtype=torch.float64, device=dev)
-        return total
-
-    def state_dict(self) -> dict:
-        return {"steps": list(self.steps),
-                "param_groups": [dict(g, betas=list(g["betas"])) for g in self.param_groups]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = [int(s) for s in state["steps"]]
-        for g, saved in zip(self.param_groups, state["param_groups"]):
-            g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})

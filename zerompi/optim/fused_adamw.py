@@ -65,16 +65,17 @@ class FusedShardAdamW(ShardedAdamW):
     # the engine may pass the step's coefficient as a device tensor (zero/step_coef.py)
     takes_device_coef = True
 
-    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None,
+    def step(self, grad_coef: float | None = None, used: Sequence[bool] | None = None,
              device_coef: torch.Tensor | None = None) -> None:
         """device_coef: float32 [grad_coef, skip] where the state lives; it replaces
         grad_coef, and skip != 0 leaves the state unchanged (the step counts still
         advance: the engine takes them back when it reads the skip)."""
+        grad_coef = self._engine_call(grad_coef, device_coef)
         self._count_steps(used)
         self.executor.adamw(self.step_rows(grad_coef, used), device_coef)
 
     def step_rows(self, grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:
-        return scalar_rows(self._seg_param, self._seg_group, self.steps, self.param_groups, grad_coef, used)
+        return scalar_rows(self._seg_param, self._seg_group, self.steps, self.groups, grad_coef, used)
 
     def grad_sq_norm(self, weights: Sequence[float] | None = None) -> torch.Tensor:
         """Weighted squared L2 norm of the stored gradients as a 0-d float64 tensor on

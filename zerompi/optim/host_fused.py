@@ -49,9 +49,10 @@ class HostFusedAdamW(ShardedAdamW):
                                  f"{g.device} for a {p.dtype} master on {p.device}; it updates host "
                                  "fp32 shards (the offloaded optimizer's)")
 
-    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
+    def step(self, grad_coef: float | None = None, used: Sequence[bool] | None = None) -> None:
         """As ShardedAdamW.step. The gradients are divided in place by 1/grad_coef (the
         kernel's grad_scale): they are the host copy, rewritten before every update."""
+        grad_coef = self._engine_call(grad_coef)
         self._count_steps(used)
         batches: dict[tuple[int, int], list] = {}
         for s, v in zip(self.segments, self._views):
@@ -59,7 +60,7 @@ class HostFusedAdamW(ShardedAdamW):
                 batches.setdefault((s.group, self.steps[s.param]), []).append(v)
         scale = None if grad_coef == 1.0 else torch.tensor(1.0 / grad_coef, dtype=torch.float32)
         for (group, step), views in batches.items():
-            hp = self.param_groups[group]
+            hp = self.groups[group]
             beta1, beta2 = hp["betas"]
             count = torch.tensor(float(step))  # read, not advanced, by the kernel
             torch._fused_adamw_([v[0] for v in views], [v[1] for v in views], [v[2] for v in views],

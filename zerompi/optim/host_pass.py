@@ -122,7 +122,7 @@ class HostPassAdamW(ShardedAdamW):
     # ------------------------------------------------------------ per step
     def rows(self, grad_coef: float, used: Sequence[bool] | None) -> np.ndarray:
         """fp32 scalar rows (nseg, 9) for the counts already advanced (fused_adamw.scalar_rows)."""
-        return scalar_rows(self._seg_param, self._seg_group, self.steps, self.param_groups, grad_coef, used)
+        return scalar_rows(self._seg_param, self._seg_group, self.steps, self.groups, grad_coef, used)
 
     def launch(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None, slot: int = 0,
                threads: int | None = None, background: bool = False):
@@ -133,12 +133,13 @@ class HostPassAdamW(ShardedAdamW):
             b = self.bufs
             return host_kernel.launch(b["master"], b["exp_avg"], b["exp_avg_sq"], grad, out, self.units,
                                       self.rows(grad_coef, used), self.ntiles, threads or self.threads)
-        self._last_coef, self._used = grad_coef, used
+        # the hyper-parameters as of the launch: a scheduler may change them while it runs
+        self._last_coef, self._used, self._hp = grad_coef, used, [dict(g) for g in self.groups]
         return _TorchJob(lambda t: self._torch_tile(t, grad, out), self.ntiles, background)
 
-    def step(self, grad_coef: float = 1.0, used: Sequence[bool] | None = None) -> None:
+    def step(self, grad_coef: float | None = None, used: Sequence[bool] | None = None) -> None:
         """The whole pass over staging pair 0, waited for (ShardedAdamW's interface)."""
-        self.launch(grad_coef, used).join()
+        self.launch(self._engine_call(grad_coef), used).join()
 
     # ------------------------------------------------------------ torch kernel
     def _torch_tile(self, tile: int, grad: torch.Tensor, out: torch.Tensor) -> None:
@@ -152,7 +153,7 @@ class HostPassAdamW(ShardedAdamW):
                 batches.setdefault((s.group, self.steps[s.param]), []).append(
                     (b["master"][off:off + n], g, b["exp_avg"][off:off + n], b["exp_avg_sq"][off:off + n]))
         for (group, step), vs in batches.items():
-            hp = self.param_groups[group]
+            hp = self._hp[group]
             beta1, beta2 = hp["betas"]
             if host_fused.available():
                 torch._fused_adamw_([v[0] for v in vs], [v[1] for v in vs], [v[2] for v in vs],

@@ -19,7 +19,7 @@ passed through unchanged (no gradient flows into nested tensors). Outputs may be
 pytree of tensors and other values. Under no_grad (evaluation) blocks run plainly.
 
 Stage 3: the block's unit is gathered by its output's gradient hook before this
-backward runs, and stays gathered during the recomputation (partitioned.py).
+backward runs, and stays gathered during the recomputation (zero/stage3/store.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the reference GPT, applied from outside the model.
+"""Tensor parallelism for the reference GPT and the Llama family, applied from outside
+the model.
 
     torch.manual_seed(seed)              # same seed on every rank: same full weights
     model = GPT(cfg)
@@ -22,6 +23,8 @@ tp rank. `num_params()` counts local parameters (padding rows included).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +33,7 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
                                         vocab_parallel_cross_entropy)
 from ..config.errors import ConfigError
 from ..models.gpt import GPT
+from ..models.llama import Llama
 
 __all__ = ["parallelize", "check_tp", "VocabParallelCrossEntropy"]
 
@@ -54,34 +58,60 @@ class VocabParallelCrossEntropy:
 
 def check_tp(cfg, tp_size: int) -> None:
     """ConfigError, naming tensor_parallel_size and the model field, when `cfg` (a
-    GPTConfig) cannot be split over `tp_size` ranks."""
+    GPTConfig or LlamaConfig) cannot be split over `tp_size` ranks."""
     problem = cfg.tp_problem(tp_size)
     if problem:
         raise ConfigError("tensor_parallel_size", tp_size, problem)
 
 
-def parallelize(model: GPT, tp) -> GPT:
-    """Split `model` (built with full weights, the same on every rank) over the tp
-    group `tp` (a Communicator, or a ParallelDims whose .tp is used), in place."""
+def parallelize(model, tp):
+    """Split `model` (a GPT or a Llama built with full weights, the same on every rank)
+    over the tp group `tp` (a Communicator, or a ParallelDims whose .tp is used), in place."""
     tp = getattr(tp, "tp", tp)
-    if not isinstance(model, GPT):
-        raise TypeError(f"parallelize: expected a zerompi GPT, got {type(model).__name__}")
+    if not isinstance(model, (GPT, Llama)):
+        raise TypeError(f"parallelize: expected a zerompi GPT or Llama, got {type(model).__name__}")
     if getattr(model, "tp_size", None) is not None:
         raise ValueError("parallelize: this model is already tensor parallel")
     cfg = model.config
     check_tp(cfg, tp.size)
+    padded = padded_vocab_size(cfg.vocab_size, tp.size)
+    if isinstance(model, Llama):
+        return _llama(model, tp, padded)
     for blk in model.h:
         blk.attn.c_attn = ColumnParallelLinear.from_linear(blk.attn.c_attn, tp, groups=3)
         blk.attn.c_proj = RowParallelLinear.from_linear(blk.attn.c_proj, tp)
         blk.mlp.c_fc = ColumnParallelLinear.from_linear(blk.mlp.c_fc, tp)
         blk.mlp.c_proj = RowParallelLinear.from_linear(blk.mlp.c_proj, tp)
-    wte = VocabParallelEmbedding.from_embedding(model.wte, tp,
-                                                padded_vocab_size(cfg.vocab_size, tp.size))
+    wte = VocabParallelEmbedding.from_embedding(model.wte, tp, padded)
     model.wte = wte
     model.lm_head = VocabParallelLMHead(wte)
     assert model.lm_head.weight is model.wte.weight
-    model.loss_fn = VocabParallelCrossEntropy(tp, cfg.vocab_size, wte.vocab_start)
-    model.tp_size = tp.size
-    model.padded_vocab_size = wte.padded_vocab
-    return model
+    return _finish(model, tp, wte)
 
+
+def _llama(model: Llama, tp, padded: int) -> Llama:
+    for blk in model.layers:
+        a, m = blk.self_attn, blk.mlp
+        a.q_proj, a.k_proj, a.v_proj = (ColumnParallelLinear.from_linear(lin, tp)
+                                        for lin in (a.q_proj, a.k_proj, a.v_proj))
+        a.o_proj = RowParallelLinear.from_linear(a.o_proj, tp)
+        m.gate_proj, m.up_proj = (ColumnParallelLinear.from_linear(lin, tp) for lin in (m.gate_proj, m.up_proj))
+        m.down_proj = RowParallelLinear.from_linear(m.down_proj, tp)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    emb = VocabParallelEmbedding.from_embedding(model.embed_tokens, tp, padded)
+    model.embed_tokens = emb
+    head = emb
+    if not tied:  # the head's own rows, split and padded like the embedding's
+        w = model.lm_head.weight
+        head = VocabParallelEmbedding.from_embedding(
+            SimpleNamespace(weight=w, num_embeddings=w.shape[0], embedding_dim=w.shape[1]), tp, padded)
+    model.lm_head = VocabParallelLMHead(head)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    return _finish(model, tp, emb)
+
+
+def _finish(model, tp, emb: VocabParallelEmbedding):
+    model.loss_fn = VocabParallelCrossEntropy(tp, model.config.vocab_size, emb.vocab_start)
+    model.tp_size = tp.size
+    model.padded_vocab_size = emb.padded_vocab
+    return model

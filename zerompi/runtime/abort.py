@@ -25,9 +25,13 @@ EXIT_PAUSE_S = 0.3  # exit_together: a rank's Finalize tail took 7 ms on an idle
 
 
 def mpi():
-    """The mpi4py.MPI module (initialises MPI on first use)."""
-    from mpi4py import MPI
+    """The mpi4py.MPI module (initialises MPI on first use, under the start-up deadline
+    of runtime/startup.py)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:
+        from .startup import import_mpi
 
+        MPI = import_mpi()
     return MPI
 
 
@@ -95,10 +99,15 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
     except Exception:
         pass
     if issubclass(exc_type, JobError):  # raised by every rank together: one line, from rank 0
-        if rank in ("", "[rank 0] "):
+        if rank in ("", "[rank 0] ") and not exc.quiet:
             abort(f"zerompi: error: {exc}", exc.exit_code)
         time.sleep(2.0)  # let rank 0 print before this rank's abort ends the job
         abort("", exc.exit_code)
+    if getattr(exc, "rank_0_speaks", False):  # a bad config: ranks that load the same one raise it together
+        if rank in ("", "[rank 0] "):
+            abort(f"zerompi: error: {exc}", 2)
+        time.sleep(2.0)  # rank 0's abort ends this rank first when it raised too
+        abort(f"{rank}zerompi: error: {exc}", 2)
     code = 130 if exc_type is KeyboardInterrupt else 1
     if getattr(exc, "user_error", False):  # bad input (data.check.DataError): the message says it all
         msg, code = f"zerompi: error: {exc}", 2
@@ -152,7 +161,13 @@ def init() -> Any:
         faulthandler.enable()
     install_abort_hook()
     fix_mmap_threshold()
-    return mpi().COMM_WORLD
+    world = mpi().COMM_WORLD
+    from .startup import env_rank, mismatch
+
+    line = mismatch(world.Get_size())  # a launch of N tasks that became N worlds of 1
+    if line is not None:
+        raise LaunchMismatch(line, quiet=env_rank() not in (None, 0))
+    return world
 
 
 class JobError(Exception):
@@ -162,6 +177,18 @@ class JobError(Exception):
     without a traceback per rank."""
 
     exit_code = 1
+    quiet = False  # True where another process (the launcher's rank 0) prints the line
+
+
+class LaunchMismatch(JobError):
+    """The launcher started N tasks and MPI gave this one a world of 1 (runtime/startup.py).
+    Every one-rank world raises it: only the launcher's rank 0 prints, exit 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, quiet: bool):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def one_line_job_errors(prog: str):
@@ -172,7 +199,9 @@ def one_line_job_errors(prog: str):
             try:
                 return fn(*args, **kwargs)
             except JobError as e:
-                if mpi().COMM_WORLD.Get_rank() == 0:
+                if e.quiet:
+                    time.sleep(2.0)  # the speaker prints before a launcher ends the job at this exit
+                elif mpi().COMM_WORLD.Get_rank() == 0:
                     print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
                 return e.exit_code
         return main

@@ -19,6 +19,7 @@ from .. import runtime
 from ..checkpoint import flush, poll, save
 from ..checkpoint.async_save import saver_of
 from ..checkpoint.resume import ResumeError
+from ..models.arch import ARCHITECTURE, record
 from ..runtime.console import say
 
 
@@ -91,10 +92,9 @@ def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
     return out
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "bias")
 SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
             "zero.optimizer.lr")
-DATA = ("spec", "seed", "global_batch", "block_size", "fingerprint")
+DATA = ("spec", "val", "order", "seed", "global_batch", "block_size", "fingerprint")
 
 
 def check_train_changes(world, client: dict | None, config: dict, model: dict, data: dict,
@@ -111,9 +111,7 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
         return
     arch = compare(client.get("model", {}), model, ARCHITECTURE)
     if arch:
-        raise ResumeError("the checkpoint holds another model architecture: " + "; ".join(
-            f"model {k}: checkpoint {a!r}, config {b!r}" for k, a, b in arch)
-            + " (same parameter shapes do not make the same model); use another --run_dir")
+        raise ResumeError(_another_architecture(arch))
     for k, a, b in compare(client.get("config", {}), config, SCHEDULE):
         say(f"schedule changed since the checkpoint: {k} {a!r} -> {b!r}; the learning rate "
             f"follows the new schedule from step {client.get('step')}", rank=world.rank)
@@ -123,9 +121,39 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
             + " than the checkpoint: the data order will not match an uninterrupted run", rank=world.rank)
 
 
-def model_state(gpt_cfg) -> dict:
-    """The train CLI's architecture record (saved in checkpoints)."""
-    return {k: getattr(gpt_cfg, k) for k in ARCHITECTURE}
+def _another_architecture(arch) -> str:
+    arch = [d for d in arch if d[0] == "family"] or arch  # another family: that says it all
+    return ("the checkpoint holds another model architecture: " + "; ".join(
+        f"model {k}: checkpoint {a!r}, config {b!r}" for k, a, b in arch)
+        + " (same parameter shapes do not make the same model); use another --run_dir")
+
+
+def check_architecture_first(world, ckpt_dir, resume_from: str, model: dict) -> None:
+    """Collective, before the engine loads anything: the checkpoint a resume tries first
+    (resume_from, else latest) records this architecture, or ResumeError naming the key
+    on every rank. (The loader would fail on parameter names, without saying why.) A
+    checkpoint whose manifest cannot be read is left to the loader's own checks."""
+    msg = None
+    if world.rank == 0:
+        from ..checkpoint import verify
+        from ..checkpoint.resume import candidates
+
+        try:
+            paths, _ = candidates(str(ckpt_dir), resume_from)
+            saved = (verify.read_manifest(paths[0]).get("client_state") or {}).get("model") if paths else None
+        except Exception:  # noqa: BLE001 - resume() reports what is wrong with the directory
+            saved = None
+        arch = compare(saved, model, ARCHITECTURE) if isinstance(saved, dict) else []
+        msg = _another_architecture(arch) if arch else None
+    msg = world.bcast_object(msg, root=0)
+    if msg:
+        raise ResumeError(msg)
+
+
+def model_state(shape) -> dict:
+    """The train CLI's architecture record (saved in checkpoints): the family and its
+    shape (a GPTConfig or LlamaConfig), models/arch.py."""
+    return record(shape)
 
 
 def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
@@ -133,7 +161,8 @@ def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
     resume), after checking that every rank reads the same tokens (collective)."""
     from ..data import fingerprint
 
-    state = {"spec": cfg.data, "seed": cfg.seed, "global_batch": cfg.global_batch,
+    state = {"spec": cfg.data, "val": cfg.data_val, "order": cfg.data_order, "seed": cfg.seed,
+             "global_batch": cfg.global_batch,
              "block_size": cfg.seq_len, "fingerprint": fingerprint(train_tokens)}
     differ = runtime.same_everywhere(world, {"train": state["fingerprint"], "val": fingerprint(val_tokens)},
                                      "data set")

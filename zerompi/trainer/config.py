@@ -7,6 +7,7 @@ a ZeroConfig, so `zero.stage=2` or `--zero.optimizer.lr 3e-4` work on the comman
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import typing
@@ -14,47 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import loading as config
-from ..config.errors import fail
+from ..config.errors import ConfigError, fail
 from ..config.loading import parse_overrides
 from ..config.zero import ZeroConfig
-from ..models.gpt_config import PRESETS
+from .model_config import ModelConfig
 from .schedule import KINDS
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which GPT to train: a preset from zerompi.models.gpt_config.PRESETS, optionally reshaped."""
-
-    preset: str = "tiny"
-    """tiny | small | gpt-20m | gpt-200m | gpt2 | gpt-1b."""
-    n_layer: int = 0
-    """Transformer blocks; 0 keeps the preset's value (same for n_head, n_embd, vocab_size)."""
-    n_head: int = 0
-    n_embd: int = 0
-    vocab_size: int = 0
-    dropout: float = 0.0
-    """Dropout probability (every preset uses 0)."""
-    bias: bool = True
-    """Linear and LayerNorm biases (every preset has them)."""
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            fail("preset", self.preset, f"must be one of {', '.join(PRESETS)}")
-        for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
-            if getattr(self, k) < 0:
-                fail(k, getattr(self, k), "must be >= 0 (0 = the preset's)")
-        if not 0.0 <= self.dropout < 1.0:
-            fail("dropout", self.dropout, "must be in [0, 1)")
-        self.gpt_config()  # n_embd divisible by n_head
-
-    def gpt_config(self):
-        base = PRESETS[self.preset]
-        changes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
-                   if getattr(self, k)}
-        try:
-            return dataclasses.replace(base, dropout=self.dropout, bias=self.bias, **changes)
-        except ValueError as e:  # n_embd not divisible by n_head
-            fail("n_head", self.n_head or base.n_head, str(e))
 
 
 @dataclass(frozen=True)
@@ -85,11 +50,36 @@ class TrainConfig:
     """Everything one training run needs. The engine's settings live in `zero`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    init_from: str = ""
+    """A local Hugging Face checkpoint directory (config.json, model.safetensors or
+    sharded with model.safetensors.index.json) whose weights start the run, at any stage
+    and world size, streamed one tensor at a time (docs/models.md). The model's shape is
+    its config.json unless model.config says otherwise. Not used when the run resumes
+    from a checkpoint of its own."""
+    tokenizer: str = ""
+    """The tokenizer the data was made with (a tokenizer.json, or a directory of
+    tokenizer files); `python -m zerompi.export --hf` copies its files."""
     data: str = "default"
-    """'default' (byte-level Python stdlib, built on first use), a .bin token file,
-    or file.h5:/dataset."""
+    """'default' (byte-level Python stdlib, built on first use), a token file (.bin with
+    its sidecar or header, Megatron .bin+.idx, llm.c shard, .npy, file.h5[:/dataset]), a
+    folder of them, a glob, a comma-separated list, or a `python -m zerompi.prepare`
+    output folder (its train/ shards, its val/ ones for validation). docs/data.md."""
+    data_val: str = ""
+    """Validation tokens, named like data; empty: the last val_fraction of data's tokens
+    (or a prepare folder's val/ shards)."""
+    data_dtype: str = ""
+    """uint8 | uint16 | uint32 | int32: what a headerless token file (no header, no .json
+    sidecar) holds. Such a file is refused without it."""
+    data_order: str = "random"
+    """random | epoch. random: each step draws its windows at random (with replacement),
+    seeded by (seed, step). epoch: the non-overlapping windows in epochs without
+    replacement, in a seeded order independent of the world size; a resumed run continues
+    at the checkpoint's position (data/epoch.py)."""
+    doc_mask: bool = False
+    """No attention across document boundaries: the model gets doc_ids (needs data that
+    records its documents: prepare's shards, Megatron .bin+.idx)."""
     val_fraction: float = 0.05
-    """Last fraction of the tokens held out for validation."""
+    """Last fraction of the tokens held out for validation (when data_val names none)."""
     block_size: int = 0
     """Tokens per training sequence; 0 = the model's context length (must be <= it)."""
     global_batch: int = 32
@@ -99,10 +89,13 @@ class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps of the whole run (a resumed run continues up to this)."""
     lr_schedule: str = "cosine"
-    """cosine | deepspeed_warmup | deepspeed_warmup_cosine. cosine: linear warm-up over
-    warmup_steps, cosine decay to min_lr at lr_decay_steps. The deepspeed_* ones are
-    DeepSpeed's WarmupLR / WarmupCosineLR (linear warm-up) exactly, counted in applied
-    updates as DeepSpeed counts them; --deepspeed_config maps onto them (trainer/schedule.py)."""
+    """cosine | deepspeed_warmup | deepspeed_warmup_decay | deepspeed_warmup_cosine. cosine:
+    linear warm-up over warmup_steps, cosine decay to min_lr at lr_decay_steps. The
+    deepspeed_* ones are DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR exactly
+    (warm-up shape: warmup_type), counted in applied updates as DeepSpeed counts them;
+    --deepspeed_config maps onto them (trainer/schedule.py)."""
+    warmup_type: str = "linear"
+    """deepspeed_* schedules: linear | log (DeepSpeed's warmup_type; its default is log)."""
     warmup_steps: int = 100
     """Linear LR warm-up from 0 (deepspeed_*: from warmup_start_lr) to zero.optimizer.lr over this many steps."""
     warmup_start_lr: float = 0.0
@@ -152,10 +145,33 @@ class TrainConfig:
     """auto | bar | lines | none. auto: rank 0 draws a bar with ETA and tokens/s when its
     stdout reaches a terminal (also through mpiexec), else prints plain lines with the
     time left (Slurm logs, pipes); see trainer/progress.py."""
+    compile: bool = False
+    """torch.compile each repeated block of the model (its transformer layers) in place,
+    before the engine wraps it: per-block compile, as torchtitan applies it; every stage.
+    The first steps are slow while the blocks compile. Speed: docs/performance.md."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend with compile = true: inductor (generated kernels; needs a C++
+    compiler on CPUs) or another of torch._dynamo.list_backends(), e.g. aot_eager (the
+    captured graphs run op by op: for checking what is captured)."""
+    tensorboard: bool = False
+    """Rank 0 also writes metrics.jsonl's scalars as TensorBoard event files in
+    run_dir/tensorboard (needs the tensorboard package: pip install 'zerompi[logging]')."""
+    wandb: bool = False
+    """Rank 0 also logs metrics.jsonl's scalars to Weights & Biases (needs the wandb package);
+    wandb's own variables apply: WANDB_PROJECT (default zerompi), WANDB_MODE=offline (no
+    network: the run is kept under run_dir/wandb for `wandb sync`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
+        if self.init_from and not self.model.config:
+            # the checkpoint's own shape, recorded in config.json and checkpoints as such
+            try:
+                object.__setattr__(self, "model", dataclasses.replace(self.model, config=self.init_from))
+            except ConfigError as e:
+                fail("init_from", self.init_from, e.why)
+        if self.tokenizer and not os.path.exists(self.tokenizer):
+            fail("tokenizer", self.tokenizer, "no such file or directory")
         positive = ("global_batch",)
         non_negative = ("block_size", "max_steps", "warmup_steps", "lr_decay_steps", "eval_interval",
                         "checkpoint_interval", "keep_last", "threads")
@@ -171,8 +187,15 @@ class TrainConfig:
             fail("log_interval", self.log_interval, "must be >= 1")
         if not 0.0 <= self.val_fraction < 1.0:
             fail("val_fraction", self.val_fraction, "must be in [0, 1)")
-        if self.eval_interval and self.val_fraction == 0:
+        if self.data_dtype not in ("", "uint8", "uint16", "uint32", "int32"):
+            fail("data_dtype", self.data_dtype, "must be uint8, uint16, uint32 or int32")
+        if self.data_order not in ("random", "epoch"):
+            fail("data_order", self.data_order, "must be random or epoch")
+        if self.eval_interval and self.val_fraction == 0 and not self.data_val:
             fail("val_fraction", self.val_fraction, "must be > 0 when eval_interval > 0")
+        if self.zero.optimizer.type != "adamw":
+            fail("zero.optimizer.type", self.zero.optimizer.type, "the trainer trains with AdamW (SGD and Adagrad "
+                 "run through zerompi.initialize)")
         if self.lr_schedule not in KINDS:
             fail("lr_schedule", self.lr_schedule, f"must be one of {', '.join(KINDS)}")
         if self.lr_schedule != "cosine" and self.warmup_steps < 2:
@@ -180,11 +203,14 @@ class TrainConfig:
                  "(DeepSpeed warms up over at least 2 steps)")
         if not self.warmup_start_lr >= 0:
             fail("warmup_start_lr", self.warmup_start_lr, "must be >= 0")
-        if self.lr_schedule != "deepspeed_warmup" and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
+        if self.warmup_type not in ("linear", "log"):
+            fail("warmup_type", self.warmup_type, "must be linear or log")
+        if self.lr_schedule not in ("deepspeed_warmup", "deepspeed_warmup_decay") \
+                and not 0.0 <= self.min_lr <= self.zero.optimizer.lr:
             fail("min_lr", self.min_lr, f"must be in [0, zero.optimizer.lr = {self.zero.optimizer.lr}]")
-        if self.block_size > self.model.gpt_config().block_size:
+        if self.block_size > self.model.shape().block_size:
             fail("block_size", self.block_size,
-                  f"must be <= the model's context length {self.model.gpt_config().block_size}")
+                  f"must be <= the model's context length {self.model.shape().block_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", self.device, "must be auto, cpu or cuda")
         if self.progress not in ("auto", "bar", "lines", "none"):
@@ -193,22 +219,59 @@ class TrainConfig:
             fail("peak_flops", self.peak_flops, "must be >= 0")
         if not self.data:
             fail("data", self.data, "must name a token source")
+        if self.compile and self.zero.tensor_parallel_size > 1:
+            fail("compile", True, "is not supported with zero.tensor_parallel_size > 1 yet (untested)")
+        if not self.compile_backend.strip():
+            fail("compile_backend", self.compile_backend, "must name a torch.compile backend")
+        for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, key) and importlib.util.find_spec(package) is None:
+                fail(key, True, f"needs the {package} package: pip install {package} "
+                     "(or pip install 'zerompi[logging]')")
 
     @property
     def seq_len(self) -> int:
-        return self.block_size or self.model.gpt_config().block_size
+        return self.block_size or self.model.shape().block_size
 
 
 def load(source: "str | os.PathLike | dict | None" = None,
          overrides: "dict[str, Any] | Sequence[str] | None" = None) -> TrainConfig:
     """TrainConfig from a TOML/JSON file or dict plus dotted overrides."""
-    return config.load(source, overrides, cls=TrainConfig)
+    from ..config.errors import ConfigError
+
+    try:
+        return config.load(source, overrides, cls=TrainConfig)
+    except ConfigError as e:
+        if e.key == "data" and isinstance(e.value, dict) and e.value:
+            k, v = next(iter(e.value.items()))  # `data.dtype` / a [data] table: name the key as typed
+            flat = {"dtype": "data_dtype", "val": "data_val", "order": "data_order", "doc_mask": "doc_mask"}
+            raise ConfigError(f"data.{k}", v, "data is one string (the token source); the other data keys "
+                              f"are flat: {flat.get(k, 'data_val, data_dtype, data_order, doc_mask')} "
+                              "(docs/data.md)") from None
+        raise
 
 
 def from_argv(argv: Sequence[str]) -> TrainConfig:
     """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json`, then
     `--key value` / `key=value` overrides. Which side wins with a DeepSpeed file:
     config/deepspeed_report.RULE (docs/migrating-from-deepspeed.md), printed at start."""
+    files, rest = _split_argv(argv)
+    if files["deepspeed_config"]:
+        return _with_deepspeed(files["config"], files["deepspeed_config"], parse_overrides(rest))
+    return load(files["config"], parse_overrides(rest))
+
+
+def peek(argv: Sequence[str], key: str) -> Any:
+    """`key`'s value from --config and the command line, without checking the rest (the
+    MPI start-up deadline, read before MPI starts; a DeepSpeed file is not read)."""
+    files, rest = _split_argv(argv)
+    data = config.read_file(files["config"]) if files["config"] else {}
+    for k, v in parse_overrides(rest).items():
+        config.set_dotted(data, k, v)
+    return value_of(data, key)
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """({"config": FILE, "deepspeed_config": FILE}, the other arguments)."""
     argv = list(argv)
     files = {"config": None, "deepspeed_config": None}
     rest = []
@@ -226,9 +289,7 @@ def from_argv(argv: Sequence[str]) -> TrainConfig:
             continue
         rest.append(tok)
         i += 1
-    if files["deepspeed_config"]:
-        return _with_deepspeed(files["config"], files["deepspeed_config"], parse_overrides(rest))
-    return load(files["config"], parse_overrides(rest))
+    return files, rest
 
 
 def value_of(data: dict, key: str) -> Any:

@@ -24,15 +24,18 @@ import zerompi
 from .. import runtime
 from ..checkpoint.resume import resume
 from ..config import to_dict
-from ..data import TokenSampler, default_corpus, split_tokens
-from ..data.check import CheckedSampler, open_agreed
-from ..models.gpt import GPT
+from ..data import TokenSampler, default_corpus
+from ..data.check import CheckedSampler
+from ..data.sources import open_agreed_data
+from ..models import arch
 from ..optim import decay_groups
 from ..parallel.dims import ParallelDims
 from ..runtime import rundir, watchdog
 from ..runtime.console import say
 from ..runtime.fileio import atomic_write
-from .checkpoints import TrainCheckpoints, agreed_data_state, check_train_changes, model_state
+from .checkpoints import (TrainCheckpoints, agreed_data_state, check_architecture_first, check_train_changes,
+                          model_state)
+from .compiling import compile_blocks
 from .progress import Progress, batch_note, finish_message
 from .schedule import lr_at, position
 
@@ -111,8 +114,10 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
                 rows = TokenSampler.rows(m, r, n, B, G)
                 # A rank with no rows still runs a forward (stage 3 gathers parameters
                 # in it), on one borrowed row that is weighted 0.
-                x, y = val_data.eval_batch(b, r, n, B, m, G) if rows else val_data.eval_batch(b, 0, 1, 1)
-                _, loss = engine(x.to(device), y.to(device))
+                at = (b, r, n, B, m, G) if rows else (b, 0, 1, 1)
+                x, y = val_data.eval_batch(*at)
+                docs = {"doc_ids": val_data.eval_doc_ids(*at).to(device)} if cfg.doc_mask else {}
+                _, loss = engine(x.to(device), y.to(device), **docs)
                 loss_sum += loss.item() * rows  # sync: host waits for the device (GPU)
                 rows_sum += rows
     engine.train()
@@ -143,34 +148,42 @@ def run(cfg, nodes) -> int:
         if dims.rank == 0:
             default_corpus()  # build the cache once, not on every rank at the same time
         dims.world.barrier()  # sync: nobody opens the cache before it is complete
-    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.gpt_config().vocab_size
+    T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.shape().vocab_size
     spec = str(default_corpus()) if cfg.data == "default" else cfg.data
     # Format, size and a sample of ids checked before any step; the rest as batches are read.
-    tokens = open_agreed(spec, V, T, cfg.val_fraction, bool(cfg.eval_interval), dims.world)
-    if tokens is None:
+    data = open_agreed_data(cfg, V, T, spec, dims.world)
+    if data is None:
         return EXIT_USAGE
-    train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
+    train_tokens, val_tokens = data.train.tokens, data.val.tokens
     # sync: fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
     data_state = agreed_data_state(dims.world, cfg, train_tokens, val_tokens)
-    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec)
-    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec) if cfg.eval_interval else None
+    train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec, order=cfg.data_order,
+                                doc_starts=data.train.doc_starts if cfg.doc_mask else None)
+    val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=cfg.data_val or spec,
+                              doc_starts=data.val.doc_starts if cfg.doc_mask else None) if cfg.eval_interval else None
 
     # ---------------------------------------------------------------- model and engine
-    gpt_cfg = cfg.model.gpt_config()
-    torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
-    model = GPT(gpt_cfg)
-    n_params, n_total = model.num_params(non_embedding=True), model.num_params()  # before any tp split
+    shape, family = cfg.model.shape(), cfg.model.kind
+    if cfg.init_from and cfg.zero.stage == 3 and dims.tp_size == 1:
+        # the weights come from the file: build partitioned, never the whole random model
+        with zerompi.Init(cfg.zero, dims=dims, seed=cfg.seed):
+            model = arch.build(shape)
+    else:
+        torch.manual_seed(cfg.seed)  # rank 0's init is broadcast by the engine anyway
+        model = arch.build(shape)
+    n_total = arch.num_params(shape)  # the whole model's, whatever the tp split or stage
     if dims.tp_size > 1:
         from ..parallel.parallelize import parallelize
 
         model = parallelize(model, dims.tp)  # each rank keeps its slices of the full weights
     model.to(device)
+    if cfg.compile:  # per block, before the engine's hooks exist (trainer/compiling.py)
+        compile_blocks(model, cfg.compile_backend)
     # Biases and norm weights get no weight decay (the usual GPT recipe).
     groups = decay_groups(model, cfg.zero.optimizer.weight_decay)
     engine = zerompi.initialize(model, cfg.zero, dims=dims, param_groups=groups)
     G = engine.gradient_accumulation_steps
-    # Training FLOPs per token as GPT.flops_per_token, at the sequence length actually used.
-    flops_per_token = 6 * n_params + 12 * gpt_cfg.n_layer * gpt_cfg.n_embd * T  # whole model
+    flops_per_token = arch.flops_per_token(shape, T)  # whole model, at the sequence length used
     peak = cfg.peak_flops or threads * 100e9
     mfu_label = "mfu" if cfg.peak_flops else "mfu~"  # "~": against a guessed CPU peak
 
@@ -178,11 +191,17 @@ def run(cfg, nodes) -> int:
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
+    if cfg.resume:  # sync: another family or shape is said as such, before any load
+        check_architecture_first(dims.world, ckpt_dir, cfg.resume_from, model_state(shape))
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
-    check_train_changes(dims.world, client, to_dict(cfg), model_state(gpt_cfg), data_state,  # sync
+    check_train_changes(dims.world, client, to_dict(cfg), model_state(shape), data_state,  # sync
                         {"micro_steps": G, "eval_batches": val_data.num_eval_batches(B) if val_data else 0})
     start_step = int(client["step"]) if client else 0
+    if cfg.init_from and client is None:  # sync: collective; a resumed run has its own weights
+        _init_from(engine, cfg, family, dims)
+    # the epoch walk goes on where the checkpoint left it (older checkpoints: step x batch)
+    train_data.resume_at(start_step, int(client.get("data_position", start_step * B)) if client else 0)
     def info(line: str) -> None:
         say(line, rank=dims.rank, prog=PROG, err=False)
 
@@ -190,12 +209,17 @@ def run(cfg, nodes) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step, client.get("metrics") if client else None)
-        info(f"{n_total / 1e6:.2f}M-parameter GPT ({cfg.model.preset}), "
+        info(f"{n_total / 1e6:.2f}M-parameter {'Llama' if family == 'llama' else 'GPT'} "
+             f"({cfg.init_from or cfg.model.config or cfg.model.preset}), "
              f"{dims.world.size} ranks x {threads} threads"
              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
              + f", ZeRO stage {cfg.zero.stage} "
              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens")
+             + (f"blocks compiled ({cfg.compile_backend}), " if cfg.compile else "") +
+             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
+             + (f"; epoch order: {train_data.num_windows():,} windows, {train_data.num_windows() / B:.1f} steps "
+                "per epoch" if cfg.data_order == "epoch" else "")
+             + ("; no attention across documents (doc_mask)" if cfg.doc_mask else ""))
         info(f"run_dir {run_dir}; "
              + (f"resumed at step {start_step}" if start_step else "starting at step 0")
              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
@@ -210,7 +234,7 @@ def run(cfg, nodes) -> int:
         # The steps raise a JobError (a diverged run) on every rank together: the ranks still
         # talk, so the background save in flight (of a good step) is finished and published.
         # Any other exception ends the job without a collective; that save is never published.
-        code = _loop(Run(cfg, engine, dims, device, train_data, val_data, data_state, model_state(gpt_cfg),
+        code = _loop(Run(cfg, engine, dims, device, train_data, val_data, data_state, model_state(shape),
                          progress, checkpoints, ckpt_dir, start_step, flops_per_token, peak))
     except runtime.JobError:
         checkpoints.flush()
@@ -219,6 +243,25 @@ def run(cfg, nodes) -> int:
         runtime.exit_together(code, dims.world, before=[lock.release] if lock else [],
                               stop_mpi_users=[watchdog.close])
     return code
+
+
+def _init_from(engine, cfg, family: str, dims) -> None:
+    """The weights of the HF checkpoint cfg.init_from, streamed into the engine."""
+    from ..models.hf_names import gpt_activation_note
+    from ..models.hf_weights import load_hf
+    from ..models.llama_config import read_hf_config
+
+    t0 = time.perf_counter()
+    try:
+        load_hf(engine, cfg.init_from, family)
+    except ValueError as e:  # raised by every rank together (agreed in load_hf / load_full)
+        err = runtime.JobError(str(e))
+        err.exit_code = EXIT_USAGE
+        raise err from None
+    if dims.rank == 0:
+        note = gpt_activation_note(read_hf_config(cfg.init_from)) if family == "gpt" else None
+        say(f"weights from {cfg.init_from} ({time.perf_counter() - t0:.1f} s)" + (f"; note: {note}" if note else ""),
+            rank=0, prog=PROG, err=False)
 
 
 def _loop(run: Run) -> int:
@@ -240,9 +283,10 @@ def _loop(run: Run) -> int:
             # state in checkpoints, so a resumed run repeats an uninterrupted one exactly.
             torch.manual_seed(int(np.random.SeedSequence([cfg.zero.seed, step, m, dims.dp_rank])
                                   .generate_state(1)[0]))
-            x, y = train_data.batch(step, m, dims.dp_rank, dims.dp_size, B, G) if rows \
-                else train_data.batch(step, 0, 0, 1, 1)
-            _, loss = engine(x.to(device), y.to(device))
+            at = (step, m, dims.dp_rank, dims.dp_size, B, G) if rows else (step, 0, 0, 1, 1)
+            x, y = train_data.batch(*at)
+            docs = {"doc_ids": train_data.doc_ids(*at).to(device)} if cfg.doc_mask else {}
+            _, loss = engine(x.to(device), y.to(device), **docs)
             # Exact global mean with uneven rows: the engine averages the D*G (dp rank,
             # micro-step) gradients, so a mean loss scaled by rows*D*G/B gives the gradient of
             # the mean over all B rows. A rank with 0 rows adds 0 but joins the reduction.
@@ -270,6 +314,9 @@ def _loop(run: Run) -> int:
                   "tokens": done * B * T, "tokens_per_s": B * T / dt,
                   "step_time": dt, "mfu": run.flops_per_token * B * T / dt / (run.peak * dims.world.size),
                   "rss": int(rss), "model_state_bytes": engine.memory_report()["model_states"],
+                  # epochs completed (fraction) of the epoch order's walk
+                  **({"epoch": train_data.position(done, B) / train_data.num_windows()}
+                     if cfg.data_order == "epoch" else {}),
                   "time": time.perf_counter() - t_start}
         # the offloaded optimizer's phases (docs/offload.md), flat: offload_host_pass, ...
         record.update({f"offload_{k}": v for k, v in engine.offload_phases.items()})
@@ -280,9 +327,10 @@ def _loop(run: Run) -> int:
         if sig or last or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
             if engine.nonfinite.streak:  # the same on every rank: never save past the last finite step
                 say(f"step {done} was not finite: no checkpoint", rank=dims.rank, prog=PROG)
-            else:  # sync: collective. The sampler is a pure function of (seed, step): the step is the data position
+            else:  # sync: collective. The sampler is a pure function of (seed, step, data_position)
                 # "metrics": this step's line, which a kill right after the save would lose
                 checkpoints.save(done, {"step": done, "tokens": done * B * T, "data": run.data_state,
+                                        "data_position": train_data.position(done, B),
                                         "model": run.model_state, "config": to_dict(cfg),
                                         "metrics": dict(record)}, final=bool(sig or last))
         saved = checkpoints.take()

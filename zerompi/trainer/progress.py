@@ -123,6 +123,12 @@ class Progress:
         if self.show == "auto":
             self.show = "bar" if active and watching_terminal() else "lines"
         self.file = open(metrics_path, "a", buffering=1) if active else None
+        self.sinks = None  # TensorBoard, W&B: the same records (sinks.py)
+        if active and (cfg.tensorboard or cfg.wandb):
+            from ..config import to_dict
+            from .sinks import Sinks
+
+            self.sinks = Sinks(cfg, metrics_path.parent, start_step, to_dict(cfg))
         if active and self.show == "bar":
             from tqdm import tqdm
 
@@ -140,6 +146,8 @@ class Progress:
         if not self.active:
             return
         self.file.write(json.dumps(rec) + "\n")
+        if self.sinks is not None:
+            self.sinks.log(rec)
         step, val = rec["step"], rec.get("val_loss")
         tput = f"{rec['tokens_per_s']:,.0f} tok/s"
         if self.bar is not None:
@@ -172,4 +180,6 @@ class Progress:
             if self.bar is not None:
                 self.bar.close()
             self.file.close()
+            if self.sinks is not None:
+                self.sinks.close()
             print(f"zerompi.train: {message}", flush=True)

@@ -3,23 +3,26 @@
 cosine (the default): at step s, linear warm-up lr (s + 1) / warmup_steps, then cosine
 from lr down to min_lr, reached at lr_decay_steps (0: max_steps) and kept after.
 
-deepspeed_warmup / deepspeed_warmup_cosine: DeepSpeed's WarmupLR / WarmupCosineLR with
-warmup_type "linear", as `--deepspeed_config` maps them. DeepSpeed steps its scheduler
-after each applied optimizer update and not after a skipped one (fp16 overflow), so
-update k (counted from 0) uses the schedule at position i = k - 1; `position` gives the
-trainer that count (engine.global_steps) for these two. With W = warmup_steps (>= 2),
-a = warmup_start_lr, peak = lr:
-  deepspeed_warmup:        i < 0: a;  then a + (peak - a) min(1, i / W)
-  deepspeed_warmup_cosine: i < 0: 0;  i < W: a + (peak - a) i / W;  then
+deepspeed_warmup / deepspeed_warmup_decay / deepspeed_warmup_cosine: DeepSpeed's WarmupLR /
+WarmupDecayLR / WarmupCosineLR, as `--deepspeed_config` maps them (zerompi.initialize builds
+the same from optim/ds_schedules.py). DeepSpeed steps its scheduler after each applied
+optimizer update and not after a skipped one (fp16 overflow), so update k (counted from 0)
+uses the schedule at position i = k - 1; `position` gives the trainer that count
+(engine.global_steps) for these. With W = warmup_steps (>= 2), a = warmup_start_lr,
+peak = lr, T = lr_decay_steps or max_steps, g(i) = i / W (warmup_type linear) or
+log(i + 1) / log(W) (log):
+  deepspeed_warmup:        i < 0: a;  then a + (peak - a) (g(i) if i < W else 1)
+  deepspeed_warmup_decay:  as deepspeed_warmup, but after W: a + (peak - a) max(0, (T - i) / max(1, T - W))
+  deepspeed_warmup_cosine: i < 0: 0;  i < W: a + (peak - a) g(i);  then
                            max(0, min_lr + (peak - min_lr)(1 + cos(pi p)) / 2),
-                           p = min(1, (i - W + 1) / max(1, T - W)), T = lr_decay_steps or max_steps
+                           p = min(1, (i - W + 1) / max(1, T - W))
 (DeepSpeed's own ratios: a = warmup_min_ratio x lr, min_lr = cos_min_ratio x lr.)
 """
 from __future__ import annotations
 
 import math
 
-KINDS = ("cosine", "deepspeed_warmup", "deepspeed_warmup_cosine")
+KINDS = ("cosine", "deepspeed_warmup", "deepspeed_warmup_decay", "deepspeed_warmup_cosine")
 
 
 def position(cfg, step: int, updates: int) -> int:
@@ -40,11 +43,16 @@ def lr_at(pos: int, cfg) -> float:
     if kind not in KINDS:
         raise ValueError(f"lr_schedule {kind!r}: one of {', '.join(KINDS)}")
     i, start = pos - 1, cfg.warmup_start_lr
-    if kind == "deepspeed_warmup":
-        return start if i < 0 else start + (peak - start) * min(1.0, i / warmup)
+    g = (i / warmup if cfg.warmup_type == "linear" else math.log(i + 1) / math.log(warmup)) if i >= 0 else 0.0
+    if kind in ("deepspeed_warmup", "deepspeed_warmup_decay"):
+        if i < 0:
+            return start
+        if i >= warmup:
+            g = 1.0 if kind == "deepspeed_warmup" else max(0.0, float(end - i) / float(max(1, end - warmup)))
+        return start + (peak - start) * g
     if i < 0:
         return 0.0
     if i < warmup:
-        return start + (peak - start) * i / warmup
+        return start + (peak - start) * g
     p = min(1.0, (i - warmup + 1) / max(1, end - warmup))
     return max(0.0, cfg.min_lr + (peak - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p)))

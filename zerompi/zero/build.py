@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..device import Placement
-from ..optim import ShardedAdamW, host_fused
+from ..optim import ShardedAdamW, elementwise, host_fused
 from .state import ShardState
 
 
@@ -36,11 +36,23 @@ def check_dims_device(dims, placement: Placement) -> None:
                          "device=...) or let initialize() build it (dims=None)")
 
 
-def optimizer(segments, state: ShardState, groups: list[dict], n: int, impl: str, staged=()):
-    """zero.optimizer.implementation: the table-driven fused kernels (one launch per
+def optimizer(segments, state: ShardState, groups: list[dict], params, group_of, impl: str, staged=(),
+              user_groups: bool = False):
+    """The engine's torch.optim.Optimizer over the shard (optim/base.py), its groups holding
+    `params` (group_of: each one's group). zero.optimizer.implementation: the table-driven fused kernels (one launch per
     step for the shard; on the host their numpy references) or torch ops per segment.
     Offloaded, fused means torch's fused CPU AdamW; the staged pipeline: zero/offload.py
     (staged: its (config, dims))."""
+    kind = staged[0].optimizer.type if staged else "adamw"
+    if kind == "adamw":
+        opt = _adamw(segments, state, groups, len(params), impl, staged)
+    else:  # SGD, Adagrad: torch ops per segment (optim/elementwise.py)
+        opt = elementwise.KINDS[kind](segments, state.views, groups, len(params))
+    opt.attach_params(params, group_of, hide_empty_default=user_groups)
+    return opt
+
+
+def _adamw(segments, state: ShardState, groups: list[dict], n: int, impl: str, staged):
     if state.staging:
         from . import offload
 

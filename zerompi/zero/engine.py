@@ -9,7 +9,7 @@
 The engine composes four parts; the stage picks them in one place (PARTS in layout.py) and no
 other code looks at the stage number:
   state      ShardState (state.py): every buffer of model state, on one Placement
-  params     ReplicatedParams | PartitionedParams (params.py, partitioned.py)
+  params     ReplicatedParams | PartitionedParams (params.py, stage3/store.py)
   reducer    GradReducer (grads.py): all-reduce | reduce-scatter at the boundary | per bucket
   optimizer  ShardedAdamW over the shard's segment table (optim/adamw.py)
 Memory per rank and one step as data: docs/architecture.md.
@@ -22,11 +22,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from .. import config as config_mod
-from .. import runtime
+from .. import config as config_mod, runtime
 from ..runtime import watchdog
 from ..config import ZeroConfig
-from ..optim import build_groups, build_segments
+from ..optim import build_groups, build_segments, schedulers
 from ..parallel import activations
 from ..precision import DTYPES, NonFinitePolicy, cast_inputs, make_scaler, reduce_dtype_of
 from . import build, grads, load_full, state_io, step_coef
@@ -39,6 +38,7 @@ from .tensor_parallel_state import TPGrads, assemble_full
 
 
 class ZeroEngine:
+    lr_scheduler = None  # a torch scheduler stepped after each applied update (zerompi.initialize)
     def __init__(self, model: nn.Module, config: ZeroConfig | dict | str | None = None,
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
@@ -64,7 +64,6 @@ class ZeroEngine:
         self.param_names = [n for n, _ in plan.order]
         self.params = [p for _, p in plan.order]
         groups, owner = build_groups(model, cfg.optimizer, param_groups)
-        self.param_groups = groups
         group_of = [owner.get(id(p), 0) for p in self.params]
 
         # sync: one pickled allgather at set-up, so diverging ranks fail here, named
@@ -80,12 +79,12 @@ class ZeroEngine:
                                             staging=offload_mod.staging_pairs(cfg, placement))
         self.param_store = parts.store(plan, self.params, self.param_names, layout, self.state,
                                        sg.shard, cfg, owns_all=parts.owns_all, groups=sg)
-        sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype)
+        sync_untracked(model, {id(p) for p in self.params}, self.comm, self.dtype, cfg.buffer_dtype)
         ac = cfg.activation_checkpointing  # ZeRO-R: block checkpoints, Pa over dims.tp (parallel/activations.py)
         self.activations = activations.apply(model, ac, dims.tp, placement) if ac.enabled else None
 
-        self.optimizer = build.optimizer(build_segments(layout, own, group_of), self.state, groups,
-                                         len(self.params), cfg.optimizer.implementation, (cfg, dims))
+        self.optimizer = build.optimizer(build_segments(layout, own, group_of), self.state, groups, self.params,
+                                         group_of, cfg.optimizer.implementation, (cfg, dims), bool(param_groups))
         self.tp_grads = TPGrads(self.params, self.optimizer.segments, self.optimizer.views, dims.tp)
         self.scaler = make_scaler(cfg.precision, cfg.fp16)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps, cfg.precision, self.rank)
@@ -113,6 +112,7 @@ class ZeroEngine:
         watchdog.watch_engine(self)  # deadlines from cfg.comm; names the step on expiry
 
     # ------------------------------------------------------------------ training API
+    param_groups = property(lambda self: self.optimizer.param_groups, doc="torch-style groups (schedulers write lr)")
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -259,8 +259,7 @@ class ZeroEngine:
             if issued:
                 self.optimizer.uncount_steps(p.used)
             return False
-        self._last_grad_norm = norm
-        return True
+        return schedulers.applied(self, norm, issued)  # engine.lr_scheduler steps after the update
 
     offload_phases = property(lambda self: self.offload.phases() if self.offload is not None else {},
                               doc="The last update's phases, threads, bytes (zero/offload.py).")
@@ -299,6 +298,7 @@ class ZeroEngine:
         return sumsq, [v > 0 for v in vals[1:]]
 
     def _zero_grads(self) -> None:
+        schedulers.after_update(self)  # the boundary's update is done (or was skipped)
         self.reducer.used = [0.0] * len(self.params)
         self.state.zero_grads()
         if self.reducer.attaches:

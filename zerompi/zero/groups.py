@@ -28,7 +28,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm.hierarchy import Replicated, TwoLevel
 from ..config import ConfigError
 
 
@@ -161,6 +160,8 @@ def node_map(dims) -> list[int]:
 
 def build(dims, cfg, stage: int) -> ShardGroups:
     """The groups of `cfg` on the grid `dims` (collective over dims.dp)."""
+    from ..comm.hierarchy import Replicated, TwoLevel  # torch: decide() stays importable without it
+
     dp = dims.dp
     r = dp.rank
     nodes = node_map(dims)

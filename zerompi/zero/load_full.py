@@ -14,6 +14,14 @@ Keys are matched like `model.state_dict()`: every name under which a parameter o
 persistent buffer is reachable (tied weights have several; any one of them suffices,
 and several must agree). Frozen parameters and buffers, replicated on every rank, are
 copied as they are. Optimizer moments are left as they are.
+
+Streaming: `state_dict` may be any Mapping whose values are read when asked for (models/
+hf_weights.HFCheckpoint: one tensor off disk per lookup) and that tells shapes without
+reading (`shape_of(key)`); then no rank holds more than one full tensor beside its share,
+and tied keys are not compared (the first one found is loaded). Tensor parallelism: keys
+and shapes are the full model's (tp_layout.full_shape); the reading rank cuts this tp
+rank's slice (tp_layout.local_index) before it broadcasts, so each tp rank's
+data-parallel rank 0 must pass the state dict (any rank may: it is read on rank 0 only).
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+
+from ..parallel import tp_layout
 
 
 class LoadResult(NamedTuple):
@@ -54,11 +64,12 @@ def _plan(sd: dict, by_key: dict, groups: list[list[str]], strict: bool):
             missing.append(keys[0])
             use.append(None)
             continue
+        lazy = hasattr(sd, "shape_of")
         for k in present:
-            want, got = tuple(by_key[k].shape), tuple(sd[k].shape)
+            want, got = tp_layout.full_shape(by_key[k]), tuple(sd.shape_of(k) if lazy else sd[k].shape)
             if want != got:
                 return None, f"key '{k}': the checkpoint has shape {got}, the model {want}"
-            if not torch.equal(sd[k], sd[present[0]]):
+            if not lazy and not torch.equal(sd[k], sd[present[0]]):
                 return None, f"keys '{present[0]}' and '{k}' name one (tied) tensor but differ"
         use.append(present[0])
     if strict and (missing or unexpected):
@@ -98,8 +109,17 @@ def load_full_state_dict(engine, state_dict: dict | None, strict: bool = True) -
         # one tensor at a time, rank 0's values: fp32 (exact for every float dtype we
         # train in), integer buffers in their own dtype
         dt = torch.float32 if target.is_floating_point() else target.dtype
-        t = (state_dict[key].detach().to("cpu", dt).contiguous().clone() if comm.rank == 0
-             else torch.empty(target.shape, dtype=dt))
+        if comm.rank == 0:
+            t = state_dict[key].detach().to("cpu", dt)
+            # this tp rank's slice (a copy; padding rows zero), or the whole tensor
+            if tp_layout.split_of(target) is not None:
+                t = tp_layout.local_index(target, t)
+            elif not hasattr(state_dict, "shape_of"):  # a streamed tensor is ours already
+                t = t.contiguous().clone()
+            else:
+                t = t.contiguous()
+        else:
+            t = torch.empty(target.shape, dtype=dt)
         comm.broadcast(t.view(-1), root=0)
         flat = t.view(-1)
         i = index.get(id(target))

@@ -2,7 +2,7 @@
 
 ReplicatedParams (stages 0-2, here): every rank holds every parameter, as views of the
 ShardState's flat_param; after an update each rank's new chunks are all-gathered.
-PartitionedParams (stage 3, partitioned.py): only shards between uses, units gathered
+PartitionedParams (stage 3, stage3/store.py): only shards between uses, units gathered
 just in time.
 
 Both stores answer the same calls, so the engine never asks which one it has: plan(),
@@ -35,9 +35,11 @@ class Plan:
     model: nn.Module | None = None       # stage 3: names modules in error messages
 
 
-def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype) -> None:
-    """Broadcast frozen parameters and buffers from rank 0; cast floating ones to the
-    compute dtype, as module.to(dtype) would (DeepSpeed does the same)."""
+def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype, buffers: str = "keep") -> None:
+    """Broadcast frozen parameters and buffers from rank 0; cast frozen floating parameters
+    to the compute dtype and floating buffers as zero.buffer_dtype says (keep: their own
+    dtype, as DeepSpeed since 0.19.2; fp32; param: the compute dtype)."""
+    to = {"keep": None, "fp32": torch.float32, "param": dtype}[buffers]
     for p in model.parameters():
         if id(p) not in tracked:
             # frozen, built under zerompi.Init: full values first (all ranks, same order)
@@ -50,7 +52,7 @@ def sync_untracked(model: nn.Module, tracked: set[int], comm, dtype: torch.dtype
                 continue
             t = b.detach().contiguous()
             comm.broadcast(t, root=0)
-            b.data = t.to(dtype) if t.is_floating_point() else t
+            b.data = t.to(to) if t.is_floating_point() and to is not None else t
 
 
 def keep_changes(new: torch.Tensor, master: torch.Tensor, old: torch.Tensor | None = None) -> None:

@@ -63,7 +63,7 @@ def export_state(engine, views: bool = False) -> dict:
     opt = engine.optimizer
     return {"pieces": _pieces(engine, segs), "tensors": tensors,
             "steps": {n: opt.steps[i] for i, n in enumerate(engine.param_names)},
-            "param_groups": opt.state_dict()["param_groups"],
+            "param_groups": opt.hyper_state()["param_groups"],
             "scaler": engine.scaler.state_dict(),
             "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                          "skipped_steps": engine.skipped_steps}}
@@ -104,7 +104,7 @@ def import_state(engine, fetch, steps: dict, param_groups: list, scaler: dict, c
         if lowp is not None:
             lowp.copy_(master)
     opt = engine.optimizer
-    opt.load_state_dict({"steps": [int(steps[n]) for n in engine.param_names], "param_groups": param_groups})
+    opt.load_hyper_state({"steps": [int(steps[n]) for n in engine.param_names], "param_groups": param_groups})
     engine.scaler.load_state_dict(scaler)
     engine._global_steps = int(counters["global_steps"])  # settled first (ZeroEngine.import_state)
     engine.micro_steps = int(counters["micro_steps"])

@@ -32,23 +32,14 @@ import torch
 import torch.nn as nn
 
 from ...runtime.malloc import HeapTrimmer
-from .. import flat
+from .. import compiled, flat
 from ..init_context import adopt
 from ..params import Plan, keep_changes
 from ..weak_hooks import weakly
 from . import gather_pool, units as units_mod
 from .agreement import Agreement, Decision
 from .secondary import Secondary
-from .units import Unit, output_tensors as _tensors
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-
+from .units import Unit, alloc_storage, free_storage, output_tensors as _tensors
 
 class PartitionedParams:
     """Stage 3: only shards between uses; units gathered just in time (see above)."""
@@ -118,7 +109,7 @@ class PartitionedParams:
                 self.pool.give_back(unit.full, unit.slot)
                 unit.slot = None
             else:
-                _free(unit.full)
+                free_storage(unit.full)
             self.units.append(unit)
         sec = groups.secondary if groups is not None and not self.resident else None  # secondary.py
         self.secondary = Secondary(sec, layout, self.units, pl, dtype) if sec is not None else None
@@ -135,6 +126,7 @@ class PartitionedParams:
         if self.resident:
             self.serve = None  # nothing to serve while the reducer waits
             return
+        compiled.before_hooks()  # no graph traced without these hooks may run (zero/compiled.py)
         for u in self.units:
             for j, root in enumerate(u.roots):
                 self._hooks.append(root.register_forward_pre_hook(weakly(self, "_pre_forward", u.idx)))
@@ -222,8 +214,7 @@ class PartitionedParams:
         self._wait(u)
 
     def _round(self, want: int | None = None, done: bool = False) -> bool:
-        """One agreement round, after acting on the one serve() left posted; True when
-        every rank is done with the phase."""
+        """A round after acting on the one serve() left posted; True: every rank is done."""
         self._act(self.agreement.finish_pending())
         return self._act([self.agreement.run(want, done)])
 
@@ -250,7 +241,7 @@ class PartitionedParams:
             if self.pool is not None:
                 u.slot = self.pool.lend(u.full)
             else:
-                _alloc(u.full)
+                alloc_storage(u.full)
             self._live += u.size
         sec = self.secondary
         if sec is not None and sec.usable(u, self._phase):  # backward: inside the node only
@@ -280,7 +271,7 @@ class PartitionedParams:
             self.pool.give_back(u.full, u.slot)
             u.slot = None
         else:
-            _free(u.full)
+            free_storage(u.full)
         u.state = "free"
         self._live -= u.size
 

@@ -65,6 +65,15 @@ class Unit:
         return self.hi - self.lo
 
 
+def free_storage(t: torch.Tensor) -> None:
+    """A released unit's buffer keeps its shape and views, with no memory behind them."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
 def unit_roots(model: nn.Module, stage3) -> list[str]:
     """Qualified names of the unit roots ("" is the model), in module order."""
     modules = dict(model.named_modules(remove_duplicate=False))
