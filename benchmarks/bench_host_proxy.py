@@ -13,7 +13,7 @@ step (and wall by phase), and over --count-steps steps the counts of host_proxy_
 aten ops dispatched, copies by dtype pair, device-scalar reads by call site, Handle
 test/wait calls by phase (polls in backward), hook calls, collectives by kind and
 phase (engine.comm_stats() deltas; stage 3's gathers go through a duplicate counted in the
-same table), agreement rounds (stage 3: param_store.rounds.held); then Python own time by
+same table), agreement rounds (stage 3: param_store.agreement.held); then Python own time by
 package over --profile-steps steps (step_profile.python_top). --world 2,4: the same counts
 on N ranks (mpiexec through harness.launch, this file's --worker mode; rank 0's numbers).
 The engine runs as bench_gpu_e2e.py configures it (engine_config), with the skeleton's
@@ -133,7 +133,7 @@ def engine_run(sk, stage: int, world: int):
 
 def _snapshot(engine) -> Counter:
     c = Counter({op: int(v["calls"]) for op, v in engine.comm_stats().items()})
-    rounds = getattr(getattr(engine.param_store, "rounds", None), "held", None)
+    rounds = getattr(getattr(engine.param_store, "agreement", None), "held", None)
     if rounds is not None:
         c["<rounds>"] = rounds
     return c

@@ -1,4 +1,4 @@
-"""Stage 3's gather pool (zerompi/zero/gather_pool.py) in one process: slot sizes from the
+"""Stage 3's gather pool (zerompi/zero/stage3/gather_pool.py) in one process: slot sizes from the
 layout, lending and giving back slots. On a reference GPT over 2 ranks (the same pool
 memory step after step, results bitwise those without the pool, a counted fallback):
 tests/multirank/test_stage3.py."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from zerompi.device import Placement
-from zerompi.zero import gather_pool
-from zerompi.zero.gather_pool import GatherPool, ancestors, capacities
+from zerompi.zero.stage3 import gather_pool
+from zerompi.zero.stage3.gather_pool import GatherPool, ancestors, capacities
 
 # GPT-like: units in flat (backward) order, the model's own unit last
 GPT = ["h.3", "h.2", "h.1", "h.0", "<root>"]

@@ -1,4 +1,4 @@
-"""Stage-3 unit coalescing in the planner (zerompi/zero/units.py), no MPI: consecutive
+"""Stage-3 unit coalescing in the planner (zerompi/zero/stage3/units.py), no MPI: consecutive
 sibling units below stage3.coalesce_elements merge into one multi-root unit; nothing
 else about the plan changes. The engine-side behaviour (gather at the first root,
 release after the last, data-dependent roots) is checked by tests/multirank/test_parity.py and
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from zerompi.config import ConfigError, ZeroConfig, load
-from zerompi.zero import units
+from zerompi.zero.stage3 import units
 
 
 class Block(nn.Module):

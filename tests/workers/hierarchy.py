@@ -141,8 +141,7 @@ def run_case(case: str) -> dict:
     sd = engine.full_state_dict()
     sec = getattr(engine.param_store, "secondary", None)
     fills = world.allreduce(sec.fills if sec is not None else 0)
-    rounds = getattr(engine.param_store, "rounds", None)  # units gathered only for a peer
-    foreign = world.allreduce(rounds.foreign if rounds is not None else 0)
+    foreign = world.allreduce(getattr(engine.param_store, "foreign", 0))  # units gathered only for a peer
     out = None
     if world.rank == 0:
         base = FLAT.setdefault(f"{prec}/s{stage}", sd) if mode == "flat" and not src else FLAT.get(f"{prec}/s{stage}")

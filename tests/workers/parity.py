@@ -126,7 +126,7 @@ for stage, init in runs:
             "master_device": str(engine.state.exp_avg.device),
         }
     if stage == 3:  # units gathered for a peer only, summed over ranks (> 0: ranks diverged)
-        foreign = world.allreduce(engine.param_store.rounds.foreign, op=MPI.SUM)
+        foreign = world.allreduce(engine.param_store.foreign, op=MPI.SUM)
         if rank == 0:
             result[key]["foreign"] = foreign
             result[key]["units"] = [u.name for u in engine.param_store.units]

@@ -1,4 +1,4 @@
-"""Stage 3's gather pool (zero/gather_pool.py) on a 4-block reference GPT: which memory
+"""Stage 3's gather pool (zero/stage3/gather_pool.py) on a 4-block reference GPT: which memory
 each unit is gathered into, step after step, against the same training without the pool;
 and the fallback when more units are gathered at once than the pool holds."""
 import argparse
@@ -10,7 +10,7 @@ from mpi4py import MPI
 import zerompi
 from common import global_batch, micro_slices
 from zerompi.models.gpt import GPT, GPTConfig
-from zerompi.zero import gather_pool
+from zerompi.zero.stage3 import gather_pool
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

@@ -160,7 +160,7 @@ class Stage3Config:
     unit_classes: str = "auto"
     """Module classes whose subtrees are gathered as one unit: "auto" (the repeated blocks
     of a ModuleList/Sequential, e.g. transformer layers) or comma-separated class names
-    ("GPT2Block,MyExpertLayer"). The model itself is always a unit (zero/units.py)."""
+    ("GPT2Block,MyExpertLayer"). The model itself is always a unit (zero/stage3/units.py)."""
     unit_min_elements: int = 0
     """Also make a unit of any other module whose unclaimed subtree holds at least this
     many elements (0: off)."""
@@ -169,7 +169,7 @@ class Stage3Config:
     and reduced together, while the group holds fewer than this many elements, so each
     rank's chunk of its collectives stays large at large N. "auto": the bucket, when
     bucket_size "auto" is above its 2^22 floor (the bucket is then a floor on the per-rank
-    chunk); otherwise 0 (off). An integer: that target at any N (zero/units.py)."""
+    chunk); otherwise 0 (off). An integer: that target at any N (zero/stage3/units.py)."""
     secondary_partition: int | str = "off"
     """off | node | K: ZeRO++'s hpZ. After a unit's forward all-gather each rank keeps its
     slice of the low-precision unit over a small group (its node's data-parallel ranks,
@@ -177,7 +177,7 @@ class Stage3Config:
     instead of across the whole shard group. Costs 1/P of the low-precision parameters
     per rank (P = the group's size; memory_report()["secondary"]). Refilled by every
     forward gather (so never stale after an update or a load); the values are copies,
-    so results are bitwise those without it (zero/secondary.py). K = 1 is off."""
+    so results are bitwise those without it (zero/stage3/secondary.py). K = 1 is off."""
 
     def __post_init__(self) -> None:
         if self.prefetch_modules < 0:

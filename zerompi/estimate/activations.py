@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from ..parallel.tensor_parallel import padded_vocab_size
-from ..zero import gather_pool
+from ..zero.stage3 import gather_pool
 from .models import ModelSpec
 
 STRATEGIES = ("none", "checkpoint", "checkpoint+Pa", "checkpoint+Pa+offload")
@@ -70,7 +70,7 @@ def comm_buffer_bytes(layout, bucket_count: int, reduce_bytes: int) -> int:
 
 def working_bytes(built, stage: int, zcfg, param_bytes: int) -> dict[str, int]:
     """Transient model-state memory besides the partitioned buffers (an estimate):
-    - stage 3 'gathered': the gather pool (zero/gather_pool.py, exact: equals
+    - stage 3 'gathered': the gather pool (zero/stage3/gather_pool.py, exact: equals
       memory_report()["gather_pool"]): slots for the unit in use, `prefetch_modules`
       prefetched ones (within max_live_parameters), and every unit enclosing them (the
       model's own unit: embeddings, head), held while what it encloses runs;

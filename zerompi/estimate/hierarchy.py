@@ -230,7 +230,7 @@ def step_time(rows: list[dict], inter, intra, nics: int) -> dict:
 
 
 def secondary_bytes(built, plan: GroupPlan, precision: str) -> int:
-    """Stage 3's node-local copies of the non-persistent units (zero/secondary.py)."""
+    """Stage 3's node-local copies of the non-persistent units (zero/stage3/secondary.py)."""
     if not plan.secondary:
         return 0
     layout = built.layout

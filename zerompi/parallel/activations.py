@@ -4,7 +4,7 @@
 
 The engine calls this once (config `activation_checkpointing.enabled`). The blocks are
 the repeated children of an nn.ModuleList / nn.Sequential - the same "auto" rule stage 3
-uses for its units (zero/units.py) - and each block's `forward` is replaced on the
+uses for its units (zero/stage3/units.py) - and each block's `forward` is replaced on the
 instance (the model's class is untouched; `acts.remove()` undoes it). A checkpointed
 call runs the block under no_grad and keeps only its input; its backward restores the
 input, recomputes the block with grad enabled (CPU and CUDA RNG states as at the
@@ -19,7 +19,7 @@ passed through unchanged (no gradient flows into nested tensors). Outputs may be
 pytree of tensors and other values. Under no_grad (evaluation) blocks run plainly.
 
 Stage 3: the block's unit is gathered by its output's gradient hook before this
-backward runs, and stays gathered during the recomputation (partitioned.py).
+backward runs, and stays gathered during the recomputation (zero/stage3/store.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
 The engine composes four parts; the stage picks them in one place (PARTS in layout.py) and no
 other code looks at the stage number:
   state      ShardState (state.py): every buffer of model state, on one Placement
-  params     ReplicatedParams | PartitionedParams (params.py, partitioned.py)
+  params     ReplicatedParams | PartitionedParams (params.py, stage3/store.py)
   reducer    GradReducer (grads.py): all-reduce | reduce-scatter at the boundary | per bucket
   optimizer  ShardedAdamW over the shard's segment table (optim/adamw.py)
 Memory per rank and one step as data: docs/architecture.md.

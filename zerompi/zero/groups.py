@@ -7,7 +7,7 @@ and three keys (docs/architecture.md, "Hierarchy"):
   zero.comm.hierarchical    auto | on | off    shard_group world only: reduce-scatter and
                                                all-gather in two levels (comm/hierarchy.py)
   zero.stage3.secondary_partition off|node|K   stage 3: backward re-gathers inside a small
-                                               group (zero/secondary.py)
+                                               group (zero/stage3/secondary.py)
 
 Modes (`GroupPlan.mode`):
   flat       shard = the data-parallel group itself (as before this module existed)

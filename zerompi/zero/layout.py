@@ -14,9 +14,9 @@ from ..precision import DTYPES
 from . import buckets, grads
 from .params import Plan, ReplicatedParams
 from .partition import Chunk, FlatLayout
-from .partitioned import PartitionedParams
+from .stage3 import PartitionedParams
 from .state import ShardState
-from .units import coalesce_target
+from .stage3.units import coalesce_target
 
 
 @dataclass(frozen=True)

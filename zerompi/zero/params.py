@@ -2,7 +2,7 @@
 
 ReplicatedParams (stages 0-2, here): every rank holds every parameter, as views of the
 ShardState's flat_param; after an update each rank's new chunks are all-gathered.
-PartitionedParams (stage 3, partitioned.py): only shards between uses, units gathered
+PartitionedParams (stage 3, stage3/store.py): only shards between uses, units gathered
 just in time.
 
 Both stores answer the same calls, so the engine never asks which one it has: plan(),

@@ -1,4 +1,4 @@
-"""GatherPool: the fixed buffers stage-3 units are gathered into (zero/partitioned.py).
+"""GatherPool: the fixed buffers stage-3 units are gathered into (store.py).
 
 Why: allocating a unit's full buffer at every gather and freeing it at release sends
 tens of MB through the allocator several times a step. On CPUs under glibc each free of

@@ -1,6 +1,6 @@
 """PartitionedParams (stage 3): between uses every rank holds only its shard.
 
-- Units (zero/units.py): module subtrees gathered together when their root module runs,
+- Units (units.py): module subtrees gathered together when their root module runs,
   laid out on whole blocks of the flat space (one all-gather per block). Small
   parameters (<= stage3.persistence_threshold) form one persistent unit that stays
   gathered and is refreshed after each update.
@@ -14,7 +14,7 @@
                               its last root); hook the outputs so that backward gathers again
     the unit's last gradient accumulated -> release it (gradients go through the
     per-bucket reduce-scatter of grads.py into the gradient shard)
-- Agreement rounds (rounds.py): what is gathered never depends on every rank running
+- Agreement rounds (agreement.py, decisions this store carries out): what is gathered never depends on every rank running
   the same modules in the same order. A rank that needs a unit it does not hold joins a
   round; all ranks take the same gather decisions from it, prefetch included. A phase
   (forward, backward) ends with rounds until every rank is done, and blocking waits
@@ -31,40 +31,15 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..runtime.malloc import HeapTrimmer
-from . import compiled, flat, gather_pool, units as units_mod
-from .init_context import adopt
-from .rounds import Rounds
-from .params import Plan, keep_changes
+from ...runtime.malloc import HeapTrimmer
+from .. import compiled, flat
+from ..init_context import adopt
+from ..params import Plan, keep_changes
+from ..weak_hooks import weakly
+from . import gather_pool, units as units_mod
+from .agreement import Agreement, Decision
 from .secondary import Secondary
-from .units import output_tensors as _tensors
-from .weak_hooks import weakly
-
-class _Unit:
-    def __init__(self, idx: int, name: str, roots, params: list[int], blocks: range,
-                 span: tuple[int, int], persistent: bool):
-        self.idx, self.name, self.params, self.blocks = idx, name, params, blocks
-        self.roots = tuple(roots or ())  # modules whose forward gathers it (several: coalesced)
-        self.lo, self.hi = span
-        self.persistent = persistent
-        self.full: torch.Tensor | None = None
-        self.slot = None     # the pool slot lent to `full` while gathered
-        self.state = "free"  # free | inflight | ready
-        self.handles: list = []
-        self.fill = False    # a primary gather in flight whose values the secondary copy keeps
-        self.pending = 0     # parameters whose gradient has not accumulated yet
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-
+from .units import Unit, alloc_storage, free_storage, output_tensors as _tensors
 
 class PartitionedParams:
     """Stage 3: only shards between uses; units gathered just in time (see above)."""
@@ -81,8 +56,8 @@ class PartitionedParams:
         # Gathers on a private duplicate (counted with the group's traffic), rounds on
         # another (control messages); resident: neither runs, so neither is made.
         self.gcomm = None if self.resident else comm.duplicate()
-        self.units: list[_Unit] = []
-        self.unit_of: dict[int, _Unit] = {}
+        self.units: list[Unit] = []
+        self.unit_of: dict[int, Unit] = {}
         pl, dtype = state.placement, state.param_dtype
         self.pool = None  # torch without storage swaps: units resize their own storage
         if gather_pool.available() and not self.resident:
@@ -91,7 +66,7 @@ class PartitionedParams:
                 plan.unit_names, plan.unit_persistent, sizes, self.cfg.prefetch_modules,
                 self.cfg.max_live_parameters))
         for u, (blocks, span, pidx) in enumerate(zip(layout.unit_blocks, layout.unit_spans, layout.unit_params)):
-            unit = _Unit(u, plan.unit_names[u], plan.unit_roots[u], list(pidx), blocks, span,
+            unit = Unit(u, plan.unit_names[u], plan.unit_roots[u], list(pidx), blocks, span,
                          plan.unit_persistent[u])
             # Identical start everywhere, one unit at a time: values come from the
             # partitioned construction (zerompi.Init) or from rank 0's full tensors.
@@ -134,9 +109,9 @@ class PartitionedParams:
                 self.pool.give_back(unit.full, unit.slot)
                 unit.slot = None
             else:
-                _free(unit.full)
+                free_storage(unit.full)
             self.units.append(unit)
-        sec = groups.secondary if groups is not None and not self.resident else None  # zero/secondary.py
+        sec = groups.secondary if groups is not None and not self.resident else None  # secondary.py
         self.secondary = Secondary(sec, layout, self.units, pl, dtype) if sec is not None else None
         self._live = 0  # gathered elements of non-persistent units
         self._trim = HeapTrimmer(pl)  # host: backward's freed transients back to the OS
@@ -144,8 +119,9 @@ class PartitionedParams:
         self._seq: list[int] = []                     # this phase's unit requests
         self._trace: dict[str, list[int]] = {"forward": [], "backward": []}  # last time's
         self._cursor = 0
-        self.rounds = Rounds(comm if self.resident else comm.split(0, comm.rank), self.units,
-                             self.cfg.prefetch_modules, self._predictions, self._gather, self._release)
+        self.agreement = Agreement(comm if self.resident else comm.split(0, comm.rank), self.cfg.prefetch_modules,
+                                   lambda: [(v.idx, v.state != "free") for v in self._predictions()])
+        self.foreign = 0  # units gathered only because a peer needed them (divergence)
         self._hooks = []
         if self.resident:
             self.serve = None  # nothing to serve while the reducer waits
@@ -183,14 +159,15 @@ class PartitionedParams:
     def _end(self, phase: str) -> None:
         if self.resident:
             return
-        self.rounds.until_all_done()  # sync: no rank moves on while a peer needs it
+        while not self._round(done=True):  # sync: no rank moves on while a peer needs it
+            pass
         self._release_all()  # prefetched but unused units, and anything left gathered
         self._trace[phase] = self._seq
         self._phase = "idle"
 
     def serve(self) -> None:
-        """grads.GradReducer polls this instead of blocking (rounds.Rounds.serve)."""
-        self.rounds.serve()
+        """grads.GradReducer polls this instead of blocking (Agreement.serve)."""
+        self._act(self.agreement.serve())
 
     def after_update(self) -> None:
         """Only persistent units are kept gathered: refresh them from the new shards.
@@ -205,8 +182,8 @@ class PartitionedParams:
                 self._gather(u)
                 self._wait(u)
 
-    # ------------------------------------------------------------------ rounds
-    def _predictions(self) -> list[_Unit]:
+    # ------------------------------------------------------------------ agreement
+    def _predictions(self) -> list[Unit]:
         """The next units along last time's order that fit within max_live_parameters."""
         trace = self._trace.get(self._phase) or []
         out, live = [], self._live
@@ -219,7 +196,7 @@ class PartitionedParams:
             out.append(v)
         return out
 
-    def _fetch(self, u: _Unit) -> None:
+    def _fetch(self, u: Unit) -> None:
         if u.persistent:
             return
         if len(u.roots) < 2 or not self._seq or self._seq[-1] != u.idx:  # coalesced: next root, same request
@@ -231,13 +208,29 @@ class PartitionedParams:
                 pass
         if u.state == "free":
             while u.state == "free":
-                self.rounds.run(want=u)
+                self._round(want=u.idx)
         elif any(v.state == "free" for v in self._predictions()):
-            self.rounds.run()  # keep the prefetch window full
+            self._round()  # keep the prefetch window full
         self._wait(u)
 
+    def _round(self, want: int | None = None, done: bool = False) -> bool:
+        """A round after acting on the one serve() left posted; True: every rank is done."""
+        self._act(self.agreement.finish_pending())
+        return self._act([self.agreement.run(want, done)])
+
+    def _act(self, decisions: list[Decision]) -> bool:
+        """Carry out decisions in order; True when the last says all are done."""
+        for d in decisions:
+            foreign = [self.units[i] for i in d.gather if self.units[i].state == "free" and i not in d.mine]
+            for i in d.gather:
+                self._gather(self.units[i], again=True)
+            for u in foreign:  # only a peer needed it
+                self._release(u)
+            self.foreign += len(foreign)
+        return bool(decisions) and decisions[-1].all_done
+
     # ------------------------------------------------------------------ gather / release
-    def _gather(self, u: _Unit, again: bool = False) -> None:
+    def _gather(self, u: Unit, again: bool = False) -> None:
         """Start the all-gather of `u` (every rank of the group issues the same ones).
         again: also when held already (a peer needs it; the values are the same)."""
         if u.state != "free" and not again:
@@ -248,7 +241,7 @@ class PartitionedParams:
             if self.pool is not None:
                 u.slot = self.pool.lend(u.full)
             else:
-                _alloc(u.full)
+                alloc_storage(u.full)
             self._live += u.size
         sec = self.secondary
         if sec is not None and sec.usable(u, self._phase):  # backward: inside the node only
@@ -260,7 +253,7 @@ class PartitionedParams:
             u.fill = sec is not None and not u.persistent
         u.state = "inflight"
 
-    def _wait(self, u: _Unit) -> None:
+    def _wait(self, u: Unit) -> None:
         if u.state == "inflight":
             for h in u.handles:
                 h.wait()
@@ -270,7 +263,7 @@ class PartitionedParams:
                 self.secondary.fill(u)
                 u.fill = False
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: Unit) -> None:
         if u.persistent or u.state == "free":
             return
         self._wait(u)
@@ -278,7 +271,7 @@ class PartitionedParams:
             self.pool.give_back(u.full, u.slot)
             u.slot = None
         else:
-            _free(u.full)
+            free_storage(u.full)
         u.state = "free"
         self._live -= u.size
 

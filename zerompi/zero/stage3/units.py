@@ -29,7 +29,7 @@ group. The model's own unit, when below the target, takes in the leaf units that
 it in module order (it is gathered for the whole forward and backward anyway). A merged
 unit is gathered when any of its roots runs and released after the forward of its last
 root - the enclosing one, listed last, when the model's unit is among them
-(zero/partitioned.py).
+(store.py).
 """
 from __future__ import annotations
 
@@ -37,10 +37,41 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..models.blocks import is_within as _is_within, repeated_blocks
-from .params import Plan
+from ...models.blocks import is_within as _is_within, repeated_blocks
+from ..params import Plan
 
 PERSISTENT = "<persistent>"
+
+
+class Unit:
+    """One unit at run time: its span of the flat space, its gathered buffer and state
+    (store.py gathers and releases it)."""
+
+    def __init__(self, idx: int, name: str, roots, params: list[int], blocks: range,
+                 span: tuple[int, int], persistent: bool):
+        self.idx, self.name, self.params, self.blocks = idx, name, params, blocks
+        self.roots = tuple(roots or ())  # modules whose forward gathers it (several: coalesced)
+        self.lo, self.hi = span
+        self.persistent = persistent
+        self.full: torch.Tensor | None = None
+        self.slot = None     # the pool slot lent to `full` while gathered
+        self.state = "free"  # free | inflight | ready
+        self.handles: list = []
+        self.fill = False    # a primary gather in flight whose values the secondary copy keeps
+        self.pending = 0     # parameters whose gradient has not accumulated yet
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """A released unit's buffer keeps its shape and views, with no memory behind them."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
 def unit_roots(model: nn.Module, stage3) -> list[str]:
