@@ -201,7 +201,7 @@ def storage_swaps(mode: str):
     """--storage-swap gpu: stage 3 takes the path of the GPU machine's torch 2.11, which
     has no UntypedStorage._swap_data_ptr_ (units resize their own storage instead of
     borrowing gather-pool slots); native: whatever this torch has."""
-    from zerompi.zero import gather_pool
+    from zerompi.zero.stage3 import gather_pool
 
     orig = getattr(gather_pool, "available", None)
     if mode == "gpu" and orig is not None:
