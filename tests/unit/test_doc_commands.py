@@ -1,0 +1,199 @@
+"""Every command in README.md and docs/*.md (fenced lines starting with `python -m
+zerompi.`, `mpiexec`, `srun`, `sbatch`, `bash `) is checked, in process, in one of three
+ways:
+  (a) a test runs it: REGISTRY maps the command to that test file and the text in it that
+      runs the command (checked to be there);
+  (b) its block is marked `<!-- needs: gpu -->` or `<!-- needs: slurm -->` (the line
+      before the fence; tests/README.md);
+  (c) it parses: a `python -m zerompi.X` command's arguments through X's own argparse (or,
+      for train, TrainConfig: every key known, every value valid; a config file that the
+      doc names as an example and the repo lacks is left out), a `bash FILE` through
+      `bash -n`.
+Every backticked repository path in those docs exists, too."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import io
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from mpirun import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+STARTS = ("python -m zerompi.", "mpiexec", "srun", "sbatch", "bash ")
+MARKERS = {"gpu", "slurm"}
+
+# command (as written, comments dropped) -> (test file, the text in it that runs the command)
+REGISTRY = {
+    "bash install.sh": ("tests/system/test_first_hour.py", '"install.sh")'),
+    "sbatch slurm/cpu.sbatch": ("tests/system/test_slurm_templates.py", "cpu.sbatch"),
+    "bash benchmarks/gpu_acceptance.sh results/ --wheels /path/to/wheels":
+        ("tests/system/test_gpu_acceptance.py", "gpu_acceptance.sh"),
+}
+
+
+def doc_commands(text: str) -> list[tuple[int, str, str | None]]:
+    """(line, command, marker) for every command in the fenced blocks of `text`: lines
+    joined over trailing backslashes, comments dropped, `a && b` split in two."""
+    out, lines = [], text.splitlines()
+    fence, marker, i = False, None, 0
+    while i < len(lines):
+        s = lines[i].strip()
+        if s.startswith("```"):
+            if not fence:
+                prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+                m = re.fullmatch(r"<!--\s*needs:\s*(\w+)\s*-->", prev)
+                marker = m.group(1) if m else None
+                if marker and marker not in MARKERS:
+                    raise ValueError(f"line {i}: unknown marker {marker!r} (one of {sorted(MARKERS)})")
+            fence = not fence
+            i += 1
+            continue
+        start = i
+        if fence and s.removeprefix("$ ").startswith(STARTS):
+            cmd = s.removeprefix("$ ")
+            while cmd.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                cmd = cmd[:-1] + " " + lines[i].strip()
+            words = shlex.split(cmd, comments=True)
+            for part in " ".join(shlex.quote(w) if w != "&&" else w for w in words).split(" && "):
+                out.append((start + 1, part.strip(), marker))
+        i += 1
+    return out
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parse_only(module: str, args: list[str]) -> None:
+    """X's own parser on `args`, stopping before X runs: argparse's SystemExit on an
+    unknown option or a bad value, ValueError from TrainConfig."""
+    if module == "train":
+        from zerompi.trainer import config as tc
+        files, rest = tc._split_argv(args)
+        for i in [i for i, w in enumerate(rest) if i and w.startswith("path/to/")][::-1]:
+            key = rest[i - 1].lstrip("-")  # a placeholder path: the key must exist, the path cannot
+            if key not in {f.name for f in dataclasses.fields(tc.TrainConfig)}:
+                raise ValueError(f"unknown key {key}")
+            del rest[i - 1:i + 1]
+        cfg = files["config"] if files["config"] and (ROOT / files["config"]).exists() else None
+        tc.load(str(ROOT / cfg) if cfg else None, tc.parse_overrides(rest))
+        return
+    mod = importlib.import_module(f"zerompi.{module}")
+    original = argparse.ArgumentParser.parse_args
+
+    def stop(self, a=None, namespace=None):
+        original(self, a, namespace)
+        raise _Parsed
+
+    main = getattr(mod, "main", None) or importlib.import_module(f"zerompi.{module}.cli").main
+    argparse.ArgumentParser.parse_args = stop
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            code = main(args)
+    except _Parsed:
+        return
+    except SystemExit as e:
+        raise ValueError(f"python -m zerompi.{module}: {err.getvalue().strip()}") from None
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    raise ValueError(f"python -m zerompi.{module} exited {code}: {err.getvalue().strip()}")
+
+
+def check(cmd: str, marker: str | None) -> str | None:
+    """None when `cmd` is covered; else why not."""
+    if cmd in REGISTRY:
+        test, text = REGISTRY[cmd]
+        return None if text in (ROOT / test).read_text() else f"{test} does not contain {text!r}"
+    if marker:
+        return None
+    words = [w.strip("[]") for w in shlex.split(cmd) if w not in ("...", "[", "]")]
+    if words[0] in ("mpiexec", "srun") and "python" in words:
+        words = words[words.index("python"):]
+    if words[:2] == ["python", "-m"] and words[2].startswith("zerompi."):
+        try:
+            _parse_only(words[2].split(".", 1)[1], words[3:])
+        except (ValueError, ImportError) as e:
+            return f"does not parse: {e}"
+        return None
+    if words[0] == "bash" and len(words) > 1:
+        script = ROOT / words[1]
+        if not script.is_file():
+            return f"{words[1]} does not exist"
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        return None if res.returncode == 0 else f"bash -n {words[1]}: {res.stderr.strip()}"
+    return "not run by a test, not marked, not parsed"
+
+
+def test_extraction_and_markers():
+    text = ("x\n```bash\n$ mpiexec -n 2 python -m zerompi.train --config a.toml \\\n"
+            "    --zero.stage 3   # a comment\nbash install.sh && python -m zerompi.plot runs/x\n```\n"
+            "<!-- needs: slurm -->\n\n```\nsbatch x.sbatch\n```\n```python\nimport zerompi\n```\n")
+    assert doc_commands(text) == [
+        (3, "mpiexec -n 2 python -m zerompi.train --config a.toml --zero.stage 3", None),
+        (5, "bash install.sh", None), (5, "python -m zerompi.plot runs/x", None),
+        (10, "sbatch x.sbatch", "slurm")]
+    with pytest.raises(ValueError, match="unknown marker"):
+        doc_commands("<!-- needs: tpu -->\n```\nsrun x\n```\n")
+
+
+def test_checker_fails_on_wrong_commands():
+    assert check("python -m zerompi.estimate --table1", None) is None
+    assert "does not parse" in check("python -m zerompi.estimate --tabel1", None)
+    assert check("mpiexec -n 2 python -m zerompi.train --config configs/tiny.toml --zero.stage 3", None) is None
+    assert "does not parse" in check("mpiexec -n 2 python -m zerompi.train --zero.stag 3", None)
+    assert "does not parse" in check("python -m zerompi.train --zero.stage 7", None)
+    assert "does not parse" in check("python -m zerompi.inspect ckpt --verfy", None)
+    assert check("sbatch slurm/gpu.sbatch", None) == "not run by a test, not marked, not parsed"
+    assert check("sbatch slurm/gpu.sbatch", "slurm") is None
+    assert check("bash nowhere.sh", None) == "nowhere.sh does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_doc_command_is_covered(doc):
+    bad = [f"{doc.name}:{n}: {cmd}: {why}" for n, cmd, marker in doc_commands(doc.read_text())
+           if (why := check(cmd, marker))]
+    assert bad == []
+
+
+# Paths the docs name in backticks.
+
+PATH = re.compile(r"`((?:[\w.-]+/)+[\w.*<>-]*)`")
+# deleted studies, named beside the commit that holds them (docs/performance.md)
+HISTORICAL = {"benchmarks/investigations/", "benchmarks/bench_pinned_alloc.py"}
+TOPS = {"zerompi", "tests", "docs", "benchmarks", "slurm", "configs", "cuda_src", "scripts"}  # checked roots
+
+
+def missing_paths(text: str, here: Path) -> list[str]:
+    """Backticked repository paths (with a `/` or a known suffix) that do not exist, looked
+    up from the repo root, from zerompi/ and from the doc's own folder; `*` and `<x>`
+    are patterns (something must match)."""
+    out = []
+    for p in sorted(set(PATH.findall(text))):
+        top = p.split("/", 1)[0]
+        if p in HISTORICAL:
+            continue
+        if top not in TOPS | ({d.name for d in (ROOT / "zerompi").iterdir() if d.is_dir()} - {"data"}):
+            continue  # a run's output, a user's path, a package path in prose
+        pattern = re.sub(r"<[^>]*>", "*", p).rstrip("/")
+        if not any(list(base.glob(pattern)) if "*" in pattern else (base / pattern).exists()
+                   for base in (ROOT, ROOT / "zerompi", here)):
+            out.append(p)
+    return out
+
+
+def test_path_checker(tmp_path):
+    text = "`docs/`, `zero/engine.py`, `tests/unit/test_<x>.py`, `docs/nowhere.md`, `runs/x/metrics.jsonl`"
+    assert missing_paths(text, tmp_path) == ["docs/nowhere.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_path_named_exists(doc):
+    assert missing_paths(doc.read_text(), doc.parent) == []
