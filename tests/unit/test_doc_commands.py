@@ -197,3 +197,49 @@ def test_path_checker(tmp_path):
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_path_named_exists(doc):
     assert missing_paths(doc.read_text(), doc.parent) == []
+
+
+# docs/reliability.md's tests, in the tier the page says.
+
+DEFAULT_TESTS = ("tests/system/test_watchdog.py", "tests/system/test_reliability.py")
+
+
+def reliability_problems(text: str, root: Path = ROOT) -> list[str]:
+    """Test names that are not where the page puts them. A file with its tier
+    (`tests/unit/test_x.py`) must be there; a bare `test_x.py` is in tests/system/ (the
+    page's tier); a bare `test_f` is defined in the file named before it on its line, or
+    else in one of DEFAULT_TESTS. `::test_f` and `[param]` are checked the same way."""
+    out = []
+    for line in text.splitlines():
+        context = None
+        for tok in re.findall(r"`([^`]*test_[^`]*)`", line):
+            m = re.fullmatch(r"((?:tests/\w+/)?test_\w+\.py)?(?:::)?(test_\w+)?(\[[^\]]*\])?", tok)
+            if not m or not (m.group(1) or m.group(2)):
+                continue
+            if m.group(1):
+                context = m.group(1) if "/" in m.group(1) else f"tests/system/{m.group(1)}"
+                if not (root / context).is_file():
+                    out.append(f"{tok}: no {context}")
+                    continue
+            files = [context] if context else list(DEFAULT_TESTS)
+            fn = m.group(2)
+            if fn and not any(re.search(rf"^(async )?def {fn}\(", (root / f).read_text(), re.M)
+                              for f in files if (root / f).is_file()):
+                out.append(f"{tok}: not in {' or '.join(files)}")
+    return out
+
+
+def test_reliability_checker(tmp_path):
+    for f, fn in [("tests/system/test_watchdog.py", "test_a"), ("tests/system/test_reliability.py", "test_b"),
+                  ("tests/unit/test_u.py", "test_c"), ("tests/system/test_s.py", "test_d")]:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text(f"def {fn}():\n    pass\n")
+    good = "| x | `test_a`, `test_b[async]`, `tests/unit/test_u.py::test_c`, `test_s.py`: `test_d` |"
+    assert reliability_problems(good, tmp_path) == []
+    assert reliability_problems("| `test_c` | `test_u.py` | `test_s.py::test_a` |", tmp_path) == [
+        "test_c: not in tests/system/test_watchdog.py or tests/system/test_reliability.py",
+        "test_u.py: no tests/system/test_u.py", "test_s.py::test_a: not in tests/system/test_s.py"]
+
+
+def test_reliability_page_names_tests_in_their_tiers():
+    assert reliability_problems((ROOT / "docs" / "reliability.md").read_text()) == []
