@@ -243,3 +243,39 @@ def test_reliability_checker(tmp_path):
 
 def test_reliability_page_names_tests_in_their_tiers():
     assert reliability_problems((ROOT / "docs" / "reliability.md").read_text()) == []
+
+
+# `some.md, "Heading"` pointers (docs, READMEs, Slurm templates, code comments) name a heading
+# that exists (the start of it is enough).
+
+POINTER = re.compile(r"((?:[\w./-]*/)?[\w-]+\.md|\bREADME)[`')]*,?\s+(?:section\s+)?\"([^\"\n]{3,80})\"")
+
+
+def stale_pointers(text: str, here: Path, root: Path = ROOT) -> list[str]:
+    out = []
+    flat = re.sub(r"\n\s*#?\s*", " ", text)  # pointers wrapped over comment lines
+    for doc, heading in POINTER.findall(flat):
+        name = "README.md" if doc == "README" else doc  # a bare README: this folder's or the repo's
+        targets = [c for c in (root / name, here / name, root / "docs" / name) if c.is_file()]
+        if not targets:
+            out.append(f"{doc}: no such file")
+        elif not any(re.sub(r"^#+\s*", "", h).strip().startswith(heading)
+                     for t in targets for h in t.read_text().splitlines() if h.startswith("#")):
+            out.append(f'{doc}, "{heading}": no such heading')
+    return out
+
+
+def test_pointer_checker(tmp_path):
+    (tmp_path / "a.md").write_text("# A\n## Not done yet (the list)\n")
+    text = 'see a.md, "Not done yet"; (a.md,\n# "Moved away") and `b.md`, "Xyz" (README, "Gone")'
+    (tmp_path / "README.md").write_text("# R\n")
+    assert stale_pointers(text, tmp_path, tmp_path) == [
+        'a.md, "Moved away": no such heading', "b.md: no such file", 'README, "Gone": no such heading']
+
+
+def test_section_pointers_exist():
+    files = [*DOCS, *ROOT.glob("*/README.md"), *(ROOT / "slurm").iterdir(), *(ROOT / "configs").iterdir(),
+             *(ROOT / "zerompi").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    bad = [f"{p.relative_to(ROOT)}: {s}" for p in files
+           if p.is_file() and p.name != Path(__file__).name for s in stale_pointers(p.read_text(), p.parent)]
+    assert bad == []

@@ -4,7 +4,7 @@ Why: allocating a unit's full buffer at every gather and freeing it at release s
 tens of MB through the allocator several times a step. On CPUs under glibc each free of
 an mmapped block raises the dynamic mmap threshold (up to 32 MiB), after which units,
 gradients and activations interleave in the heap, and the heap keeps its high-water mark
-(docs/architecture.md, "Host memory fragmentation"). A GPU's caching allocator hides the
+(docs/performance.md, "Stage-3 memory"). A GPU's caching allocator hides the
 cost, but a fixed pool also bounds gathered memory by the layout, not by the allocator.
 
 Lending without changing storage identity: a unit's parameters are permanent views of
