@@ -56,7 +56,8 @@ def doc_commands(text: str) -> list[tuple[int, str, str | None]]:
             i += 1
             continue
         start = i
-        if fence and s.removeprefix("$ ").startswith(STARTS):
+        bare = re.sub(r"^(\$ )?(\w+=\S* )*", "", s)  # a prompt, environment assignments
+        if fence and bare.startswith(STARTS):
             cmd = s.removeprefix("$ ")
             while cmd.endswith("\\") and i + 1 < len(lines):
                 i += 1
@@ -115,6 +116,8 @@ def check(cmd: str, marker: str | None) -> str | None:
     if marker:
         return None
     words = [w.strip("[]") for w in shlex.split(cmd) if w not in ("...", "[", "]")]
+    while "=" in words[0]:
+        words = words[1:]
     if words[0] in ("mpiexec", "srun") and "python" in words:
         words = words[words.index("python"):]
     if words[:2] == ["python", "-m"] and words[2].startswith("zerompi."):
@@ -134,11 +137,11 @@ def check(cmd: str, marker: str | None) -> str | None:
 
 def test_extraction_and_markers():
     text = ("x\n```bash\n$ mpiexec -n 2 python -m zerompi.train --config a.toml \\\n"
-            "    --zero.stage 3   # a comment\nbash install.sh && python -m zerompi.plot runs/x\n```\n"
+            "    --zero.stage 3   # a comment\nbash install.sh && X=1 python -m zerompi.plot runs/x\n```\n"
             "<!-- needs: slurm -->\n\n```\nsbatch x.sbatch\n```\n```python\nimport zerompi\n```\n")
     assert doc_commands(text) == [
         (3, "mpiexec -n 2 python -m zerompi.train --config a.toml --zero.stage 3", None),
-        (5, "bash install.sh", None), (5, "python -m zerompi.plot runs/x", None),
+        (5, "bash install.sh", None), (5, "X=1 python -m zerompi.plot runs/x", None),
         (10, "sbatch x.sbatch", "slurm")]
     with pytest.raises(ValueError, match="unknown marker"):
         doc_commands("<!-- needs: tpu -->\n```\nsrun x\n```\n")
@@ -194,7 +197,7 @@ def test_path_checker(tmp_path):
     assert missing_paths(text, tmp_path) == ["docs/nowhere.md"]
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS + sorted(ROOT.glob("*/README.md")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_path_named_exists(doc):
     assert missing_paths(doc.read_text(), doc.parent) == []
 
