@@ -1,7 +1,6 @@
 """Communicators: the collectives ZeRO needs, behind one protocol (base.Communicator).
 
-What each backend does (GPU paths ran on one H100, benchmarks/results/gpu/: NCCL at one
-rank only, the staged path with 2-3 ranks sharing the GPU; CUDA-aware MPI has not run):
+What each backend does (which GPU paths have run: docs/status.md):
 - mpi (MPICommunicator, mpi.py): CPU tensors, passed to MPI zero-copy from their raw
   addresses; non-blocking collectives (Ialltoall, Iallgather, Iallreduce,
   Ireduce_scatter_block) return a Handle whose wait() takes a deadline. The default
