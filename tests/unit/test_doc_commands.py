@@ -78,14 +78,21 @@ def _parse_only(module: str, args: list[str]) -> None:
     unknown option or a bad value, ValueError from TrainConfig."""
     if module == "train":
         from zerompi.trainer import config as tc
-        files, rest = tc._split_argv(args)
-        for i in [i for i, w in enumerate(rest) if i and w.startswith("path/to/")][::-1]:
-            key = rest[i - 1].lstrip("-")  # a placeholder path: the key must exist, the path cannot
-            if key not in {f.name for f in dataclasses.fields(tc.TrainConfig)}:
-                raise ValueError(f"unknown key {key}")
-            del rest[i - 1:i + 1]
-        cfg = files["config"] if files["config"] and (ROOT / files["config"]).exists() else None
-        tc.load(str(ROOT / cfg) if cfg else None, tc.parse_overrides(rest))
+        pairs, i = [], 0  # `--key value` pairs; `key=value` stays one word
+        while i < len(args):
+            n = 2 if args[i].startswith("--") and "=" not in args[i] else 1
+            pairs.append(args[i:i + n])
+            i += n
+        argv = []
+        for pair in pairs:
+            if pair[0] in ("--config", "--deepspeed_config"):  # a file the repo has, else an example name
+                argv += [pair[0], str(ROOT / pair[1])] if (ROOT / pair[1]).is_file() else []
+            elif pair[-1].startswith("path/to/"):  # a placeholder path: the key must exist, the path cannot
+                if pair[0].lstrip("-") not in {f.name for f in dataclasses.fields(tc.TrainConfig)}:
+                    raise ValueError(f"unknown key {pair[0]}")
+            else:
+                argv += pair
+        tc.from_argv(argv)
         return
     mod = importlib.import_module(f"zerompi.{module}")
     original = argparse.ArgumentParser.parse_args
@@ -153,6 +160,8 @@ def test_checker_fails_on_wrong_commands():
     assert check("mpiexec -n 2 python -m zerompi.train --config configs/tiny.toml --zero.stage 3", None) is None
     assert "does not parse" in check("mpiexec -n 2 python -m zerompi.train --zero.stag 3", None)
     assert "does not parse" in check("python -m zerompi.train --zero.stage 7", None)
+    assert check("python -m zerompi.train --config run.toml --init_from path/to/llama zero.stage=3", None) is None
+    assert "unknown key --init_frm" in check("python -m zerompi.train --init_frm path/to/llama", None)
     assert "does not parse" in check("python -m zerompi.inspect ckpt --verfy", None)
     assert check("sbatch slurm/gpu.sbatch", None) == "not run by a test, not marked, not parsed"
     assert check("sbatch slurm/gpu.sbatch", "slurm") is None
