@@ -9,7 +9,9 @@ ways:
       for train, TrainConfig: every key known, every value valid; a config file that the
       doc names as an example and the repo lacks is left out), a `bash FILE` through
       `bash -n`.
-Every backticked repository path in those docs exists, too."""
+Also: every backticked repository path in the docs exists; docs/reliability.md names each
+test in the tier it says; every `X.md, "Heading"` pointer (docs, READMEs, Slurm templates,
+configs, code comments) names a heading that exists."""
 from __future__ import annotations
 
 import argparse
