@@ -10,19 +10,9 @@ import torch
 import zerompi
 from zerompi.config import ConfigError
 from zerompi.optim import decay_groups
+from tiny_model import Tiny
 
 L = torch.optim.lr_scheduler
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(6, 5)
-        self.b = torch.nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).square().mean()
 
 
 def _run(engine_or_opt, steps, sched=None):

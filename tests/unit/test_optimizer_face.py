@@ -9,17 +9,7 @@ import torch
 
 import zerompi
 from zerompi.optim import decay_groups
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(6, 5)
-        self.b = torch.nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).square().mean()
+from tiny_model import Tiny
 
 
 def _batch(step):
