@@ -356,7 +356,8 @@ def _expire(what: str, code: int, op: str | None = None, step: int | None = None
 def _world(what: str, default: str) -> str:
     """This rank's COMM_WORLD rank or size as the launcher's environment says (no MPI
     call from this thread; the side channel knows the rank once the nodes are mapped)."""
-    for k in (f"PMI_{what}", f"OMPI_COMM_WORLD_{what}", f"PMIX_{what}"):
+    slurm = {"RANK": "SLURM_PROCID", "SIZE": "SLURM_NTASKS"}[what]
+    for k in (f"PMI_{what}", f"OMPI_COMM_WORLD_{what}", f"PMIX_{what}", slurm):
         if os.environ.get(k, "").isdigit():
             return os.environ[k]
     return default
