@@ -34,6 +34,7 @@ def stopped_rank_job(tmp_path, mode="stop-self", stage=1, n=4) -> list[str]:
     """hang.py MODE at N ranks, rank N-1 SIGSTOPs itself, timeout_s = 4: what went wrong
     (empty: the job ended with exit 3 within 30 s, a watchdog line named the stopped rank,
     no segfault, and no rank outlived it)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     pidfile = tmp_path / "pid"
     r = run_mpi(n, [HANG, mode, str(stage), str(pidfile)], timeout=60, module=False, check=False)
     out, bad = r.stdout, []

@@ -28,8 +28,8 @@ def test_stopped_rank_at_stage_3_ends_at_the_deadline_every_time(tmp_path):
         print(f"run {i + 1}/20: {'ok' if not bad else 'FAIL ' + bad[0]}", flush=True)
         if bad:
             failed.append((i + 1, bad))
-    assert not failed, f"{len(failed)} of 20 runs failed:\n" + "\n\n".join(
-        f"run {i}: " + "\n".join(b) for i, b in failed)
+    assert not failed, f"{len(failed)} of 20 runs failed: " + "; ".join(f"run {i}: {b[0]}" for i, b in failed) \
+        + f"\nthe first (run {failed[0][0]}):\n" + "\n".join(failed[0][1]) if failed else ""
 
 
 @pytest.mark.soak
@@ -49,5 +49,5 @@ def test_node_loss_repeated(fault, timeout_s, tmp_path):
         results.append((fault, timeout_s, problems, facts))
         print(summary(results[-1:]), flush=True)
     failed = [(i + 1, p) for i, (_, _, p, _) in enumerate(results) if p]
-    assert not failed, f"{len(failed)} of {RUNS} runs failed:\n{summary(results)}\n\n" + "\n\n".join(
-        f"run {i}:\n" + "\n".join(p) for i, p in failed)
+    assert not failed, f"{len(failed)} of {RUNS} runs failed:\n{summary(results)}\n\nthe first (run " \
+        f"{failed[0][0]}):\n" + "\n".join(failed[0][1]) if failed else ""
