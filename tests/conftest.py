@@ -38,7 +38,7 @@ def _launches_mpi(module) -> bool:
 # (batched cases) the launches per world size; every other multirank/ or system/ file
 # stays on one worker, so its module fixtures are built once.
 FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
-OWN_NODES = ("test_multinode_loss.py",)  # builds simulated nodes and a Slurm of its own
+OWN_NODES = ("test_multinode_loss.py", "test_node_loss_soak.py")  # build simulated nodes and a Slurm of their own
 
 
 def _xdist_group(item, rel: tuple) -> str | None:

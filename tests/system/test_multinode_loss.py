@@ -6,7 +6,14 @@ keeps the allocation until Slurm declares the node down and requeues the job
 (slurm/_requeue.sh). A requeued job keeps its size,
 and this cluster has no spare node, so it is resubmitted on the node that remains with
 the same run directory (what an operator does): it resumes from the last checkpoint,
-4 ranks -> 2 (resharded), and continues the loss curve."""
+4 ranks -> 2 (resharded), and continues the loss curve.
+
+One more fault once (tests/support/node_loss.py; cancelled instead of waiting for Slurm's
+requeue): a power loss while a background checkpoint write is in flight (it is never
+published; the resume takes the one before). The link cut alone (the cut-off node's
+ranks end by their own watchdog), kill with the link up, and every fault repeated at
+timeout_s 8 and 60: tests/system/test_node_loss_soak.py (`-m soak`; the suite's budget
+has room for one more run of the bed, not four)."""
 from __future__ import annotations
 
 import re
@@ -101,3 +108,17 @@ def test_node_lost_mid_step_ends_naming_it_and_resumes_on_the_rest(cluster, tmp_
     # (none when the loss came right after the save of step k)
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in redone), redone
     assert after[-1]["loss"] < after[0]["loss"] - 1.0, after
+
+
+def test_node_lost_during_a_background_write_ends_naming_it_and_resumes(tmp_path):
+    fault = "async-write"
+    from netcluster import available
+    from node_loss import lose_node, summary
+    from slurm_cluster import slurm_available
+
+    for ok, why in (available(), slurm_available()):
+        if not ok:
+            pytest.skip(why)
+    problems, facts = lose_node(fault, TIMEOUT_S, tmp_path)
+    print(summary([(fault, TIMEOUT_S, problems, facts)]))
+    assert not problems, "\n".join(problems)

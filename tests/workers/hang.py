@@ -1,8 +1,13 @@
 """Stuck-rank scenarios for tests/system/test_reliability.py, launched WITHOUT `-m mpi4py`:
 zerompi's watchdog must end the job. argv: MODE STAGE [PIDFILE].
+stop-self, stop-in-backward, wait, wait-long: with PIDFILE, each rank writes its pid
+to PIDFILE.<rank>.
 
 stop-self: rank N-1 sends itself SIGSTOP at step 3 (a dead node, a hung GPU): the
   others block in the next collective until the watchdog's deadline.
+stop-in-backward: rank N-1 stops itself between forward and backward at step 3, with
+  one small bucket slot (stage 3: the others wait for a bucket in the reducer's loop
+  that serves gather rounds, zero/grads.py GradReducer._complete).
 stop-in-save: rank N-1 stops itself where the others start a checkpoint save (step 3,
   PIDFILE = the checkpoint directory): they wait under the save's generous deadline.
 wait-long: as wait, with stop_grace_s = 120: a second SIGINT must end it.
@@ -33,12 +38,15 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
 cfg = {"stage": stage, "comm": {"timeout_s": 4.0, "startup_timeout_s": 60.0, "stop_grace_s": 2.0}}
 if mode == "nan-fp16":  # the scale collapses fast: 4 -> 2 -> 1, then overflow at the minimum
     cfg.update(precision="fp16", fp16={"initial_scale": 4.0, "min_scale": 1.0, "hysteresis": 1})
+if mode == "stop-in-backward":  # many blocks, one slot: the second launch waits for the first
+    cfg.update(bucket_size=16, bucket_count=1, stage3={"persistence_threshold": 1 << 20})  # no gathers in backward
 if mode in ("wait", "wait-long"):
     cfg["comm"]["timeout_s"] = 120.0  # the signal, not the deadline, must end it
     if mode == "wait-long":
         cfg["comm"]["stop_grace_s"] = 120.0  # only a second SIGINT can end it quickly
     watchdog.install_stop_signals()
-    with open(f"{sys.argv[3]}.{rank}", "w") as f:
+if mode in ("wait", "wait-long") or (mode in ("stop-self", "stop-in-backward") and len(sys.argv) > 3):
+    with open(f"{sys.argv[3]}.{rank}", "w") as f:  # the test checks that every rank is gone
         f.write(str(os.getpid()))
 engine = zerompi.initialize(model, cfg)
 x = torch.randn(4, 8)
@@ -54,6 +62,9 @@ for step in range(steps):
     if mode.startswith("nan") and rank == 0 and step >= 1:
         x = torch.full((4, 8), float("nan"))  # one rank's NaN reaches every rank's gradient
     loss = engine(x).pow(2).mean()
+    if rank == size - 1 and step == 3 and mode == "stop-in-backward":
+        print(f"rank {rank} stopping itself before backward at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
     engine.backward(loss)
     engine.step()
     if watchdog.stop_signal():

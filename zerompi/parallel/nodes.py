@@ -122,9 +122,13 @@ def discover(comm) -> NodeLayout:
             node = comm.Split(rank // forced, rank)
         else:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        # (lowest rank of my node, my host name) from everyone: the whole map on every rank
+        # (lowest rank of my node, my host name, where my watchdog answers) from everyone:
+        # the whole map on every rank
         leader = node.allreduce(rank, op=MPI.MIN)
-        everyone = comm.allgather((leader, socket.gethostname()))
+        gathered = comm.allgather((leader, socket.gethostname(), watchdog.side_address()))
+    if MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):  # the watchdog names world ranks
+        watchdog.side_peers(rank, [side for _, _, side in gathered])
+    everyone = [(lead, host) for lead, host, _ in gathered]
     leaders = sorted({lead for lead, _ in everyone})
     ranks = tuple(tuple(r for r, (lead, _) in enumerate(everyone) if lead == L) for L in leaders)
     names = [everyone[L][1] for L in leaders]

@@ -120,10 +120,10 @@ def _abort_excepthook(exc_type, exc, tb) -> None:
     abort(text, code)
 
 
-def abort(message: str, code: int = 1) -> None:
+def abort(message: str, code: int = 1, from_thread: bool = False) -> None:
     """Print `message` to stderr and end the whole job with exit status `code` (MPI_Abort
-    in a multi-rank job). Safe from any thread: the watchdog calls it while the main
-    thread is blocked in MPI."""
+    in a multi-rank job). Safe from any thread: the watchdog calls it (`from_thread`)
+    while the main thread is blocked in MPI, where MPI_Abort is guarded (_guard_abort)."""
     for f in (sys.stdout, sys.stderr):  # earlier output first, in order
         try:
             f.flush()
@@ -137,10 +137,42 @@ def abort(message: str, code: int = 1) -> None:
                 and MPI.COMM_WORLD.Get_size() > 1:
             _drain(1, 2.0)
             _drain(2, 5.0)  # the traceback has left this process before the abort
+            if from_thread:
+                _guard_abort(code)
             MPI.COMM_WORLD.Abort(code)
     except Exception:
         pass
     os._exit(code)
+
+
+ABORT_GRACE_S = 10.0  # MPI_Abort from the watchdog thread: its own end comes no later
+
+
+def _guard_abort(code: int) -> None:
+    """Before MPI_Abort from a thread while the main thread may be inside MPI: MPICH's
+    abort tells the launcher (which then ends every rank with `code`) and calls exit(),
+    whose library teardown races with the main thread's MPI call. The message is out
+    already; what remains must not turn into a crash report or a hang. So: a crash in
+    that teardown ends this process quietly (SIGSEGV/SIGBUS/SIGILL/SIGFPE -> _exit,
+    no faulthandler or UCX dump), and a timer thread ends it with `code` if MPI_Abort
+    has not returned or ended it within ABORT_GRACE_S."""
+    import ctypes
+    import signal
+
+    def later():
+        time.sleep(ABORT_GRACE_S)
+        os._exit(code)
+
+    threading.Thread(target=later, name="zerompi-abort-timer", daemon=True).start()
+    try:
+        faulthandler.disable()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_void_p]
+        quiet_exit = ctypes.cast(libc._exit, ctypes.c_void_p).value
+        for sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE):
+            libc.signal(int(sig), quiet_exit)
+    except Exception:  # no libc to call: MPI_Abort unguarded, the timer still holds
+        pass
 
 
 def install_abort_hook() -> None:

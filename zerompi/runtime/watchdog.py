@@ -6,12 +6,14 @@ stopped (a dead node, a hung GPU, SIGSTOP) would wait forever and ignore SIGTERM
 Here the main thread only marks what it waits for (`with waiting("all_reduce"):`,
 done by the communicator for every collective and Handle.wait); a daemon thread checks
 the deadline four times a second and, on expiry:
-  1. asks every other rank where it is, by point-to-point messages on COMM_WORLD under
-     two reserved tags, answered by the other ranks' watchdog threads (which run even
-     while their main thread is blocked in MPI: mpi4py initialises MPI_THREAD_MULTIPLE);
+  1. asks every other rank where it is over the side channel (sidechannel.py: UDP,
+     answered by the other ranks' watchdog threads, which run while their main thread
+     is blocked in MPI). This thread makes no MPI call but the final abort: an MPI send
+     to a lost rank from here, while the main thread is inside MPI, segfaulted;
   2. prints one line naming this rank, the collective, the step, and the ranks that did
-     not answer (stopped or dead) or are somewhere else;
-  3. ends the whole job through abort.abort (MPI_Abort, exit EXIT_TIMEOUT).
+     not answer (stopped or dead) or are somewhere else, and waits until it has left;
+  3. ends the whole job through abort.abort (MPI_Abort, exit EXIT_TIMEOUT), guarded so
+     that a crash or a hang inside MPI_Abort still ends this process with that status.
 
 Stop signals (install_stop_signals, used by `python -m zerompi.train`): the Python
 handler sets a flag that the loop reads between steps, where the ranks agree and
@@ -35,15 +37,14 @@ import os
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
 
+from . import sidechannel
 from .abort import abort
 
 EXIT_TIMEOUT = 3
-TAG_QUERY, TAG_REPLY = 32001, 32002  # MPI guarantees tags up to 32767
 _POLL_S = 0.25
 _ASK_S = 3.0          # how long an expiring rank waits for the others' answers
 _ASK_MAX_RANKS = 256  # above this, asking every rank costs more than it tells
@@ -71,7 +72,7 @@ class _State:
 
 
 S = _State()
-_lock = threading.Lock()  # MPI calls of the thread vs. MPI_Finalize at exit
+_lock = threading.Lock()  # the thread's abort (MPI_Abort) vs. MPI_Finalize at exit
 
 
 def configure(timeout_s: float | None = None, startup_timeout_s: float | None = None,
@@ -193,19 +194,6 @@ def stop_agreed() -> None:
 
 
 # ---------------------------------------------------------------- the thread
-def _mpi():
-    """mpi4py.MPI if this thread may call MPI now: initialised, not finalised, and at
-    MPI_THREAD_MULTIPLE (mpi4py's default; at a lower level the watchdog only aborts)."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    try:
-        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
-                and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-            return MPI
-    except Exception:
-        pass
-    return None
-
-
 def _start() -> None:
     with _lock:
         if S.thread is not None:
@@ -216,7 +204,7 @@ def _start() -> None:
 
 
 def close() -> None:
-    """No more MPI calls from the thread (before MPI_Finalize)."""
+    """No more aborts (MPI_Abort) from the thread: call before MPI_Finalize."""
     with _lock:
         S.closing = True
 
@@ -227,41 +215,46 @@ def _status() -> tuple:
     return (op, round(time.monotonic() - S.since, 1) if op else 0.0, step)
 
 
-def _serve(MPI) -> None:
-    """Answer other ranks' "where are you?" with this rank's status."""
-    world = MPI.COMM_WORLD
-    while True:
-        msg = world.improbe(source=MPI.ANY_SOURCE, tag=TAG_QUERY)
-        if msg is None:
-            return
-        st = MPI.Status()
-        msg.recv(status=st)
-        world.isend(_status(), dest=st.Get_source(), tag=TAG_REPLY)
+def side_address() -> tuple:
+    """Open this rank's side-channel socket; what the other ranks need to reach it
+    (parallel.nodes.discover gathers it with the host names)."""
+    if S.thread is None:
+        _start()
+    return sidechannel.open_socket()
+
+
+def side_peers(rank: int, table: list) -> None:
+    """Every COMM_WORLD rank's side_address(), indexed by rank: the survey can ask them."""
+    sidechannel.set_peers(rank, table)
 
 
 def _loop() -> None:
     while True:
-        if S.wake_r is not None:
-            ready, _, _ = select.select([S.wake_r], [], [], _POLL_S)
-            if ready:
-                try:
-                    data = S.wake_r.recv(64)
-                except OSError:
-                    data = b""
-                for signum in data:
-                    _thread_signal(signum)
+        fds = [f for f in (S.wake_r.fileno() if S.wake_r is not None else None, sidechannel.fileno())
+               if f is not None]
+        ready = []
+        if fds:
+            try:
+                ready, _, _ = select.select(fds, [], [], _POLL_S)
+            except (OSError, ValueError):
+                time.sleep(_POLL_S)
         else:
             time.sleep(_POLL_S)
-        with _lock:
+        if S.wake_r is not None and S.wake_r.fileno() in ready:
+            try:
+                data = S.wake_r.recv(64)
+            except OSError:
+                data = b""
+            for signum in data:
+                _thread_signal(signum)
+        try:
+            sidechannel.serve(_status)  # other ranks asking where this one is
+        except Exception:
+            pass
+        with _lock:  # an abort here vs. MPI_Finalize at exit (close())
             if S.closing:
                 return
-            MPI = _mpi()
-            if MPI is not None and MPI.COMM_WORLD.Get_size() > 1:
-                try:
-                    _serve(MPI)
-                except Exception:
-                    pass
-        _check()
+            _check()
 
 
 def _thread_signal(signum: int) -> None:
@@ -301,38 +294,25 @@ def _probe(op, since, at, step, now, limit) -> None:
     if S.probed[:2] == (op, since) and now - S.probed[2] < S.timeout_s:
         return
     S.probed = (op, since, now)
-    MPI = _mpi()
-    if MPI is None or MPI.COMM_WORLD.Get_size() == 1 or MPI.COMM_WORLD.Get_size() > _ASK_MAX_RANKS:
-        return
-    silent, _ = _survey(MPI, op, step)
+    if not sidechannel.ready() or len(sidechannel.C.peers) >= _ASK_MAX_RANKS:
+        return  # nobody to ask: the generous deadline decides
+    silent, _ = _survey(op, step)
     if not silent:
         return
-    again, detail = _survey(MPI, op, step)
+    again, detail = _survey(op, step)
     if set(silent) & set(again) and (S.op, S.since) == (op, since):
         _expire(f"{op}{at} not complete after {S.timeout_s:g} s (zero.comm.timeout_s; up to zero.comm."
                 f"startup_timeout_s = {limit:g} s is allowed for slow writers, not for ranks that are gone)",
                 EXIT_TIMEOUT, op, step, detail)
 
 
-def _survey(MPI, op, step) -> tuple[list[int], str]:
-    """Who is not with us: ask every rank, wait _ASK_S for answers; (silent ranks, text)."""
-    world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
-    if size > _ASK_MAX_RANKS:
-        return [], f" ({size} ranks: not asking each where it is)"
-    peers = [q for q in range(size) if q != rank]
-    reqs = [world.isend(None, dest=q, tag=TAG_QUERY) for q in peers]
-    answers: dict[int, tuple] = {}
-    t_end = time.monotonic() + _ASK_S
-    while len(answers) < len(peers) and time.monotonic() < t_end:
-        _serve(MPI)  # the others are asking too
-        st = MPI.Status()
-        msg = world.improbe(source=MPI.ANY_SOURCE, tag=TAG_REPLY, status=st)
-        if msg is None:
-            time.sleep(0.01)
-            continue
-        answers[st.Get_source()] = msg.recv()
-    del reqs  # never waited for: a stopped rank never takes its message
+def _survey(op, step) -> tuple[list[int], str]:
+    """Who is not with us: ask every rank over the side channel, wait _ASK_S for
+    answers; (silent ranks, text)."""
+    peers = sorted(sidechannel.C.peers)
+    if len(peers) + 1 > _ASK_MAX_RANKS:
+        return [], f" ({len(peers) + 1} ranks: not asking each where it is)"
+    answers = sidechannel.survey(_status, _ASK_S)
     silent = [q for q in peers if q not in answers]
     same = sorted(q for q, (o, _, s) in answers.items() if o == op and s == step)
     elsewhere = [(q, a) for q, a in sorted(answers.items()) if q not in same]
@@ -371,11 +351,24 @@ def _ranks(qs: list[int]) -> str:
 
 def _expire(what: str, code: int, op: str | None = None, step: int | None = None,
             detail: str | None = None) -> None:
-    MPI = _mpi()
-    rank = MPI.COMM_WORLD.Get_rank() if MPI else os.environ.get("PMI_RANK", "?")
-    if detail is None and MPI is not None and op is not None and MPI.COMM_WORLD.Get_size() > 1:
-        try:
-            detail = _survey(MPI, op, step)[1]
-        except Exception as e:  # a diagnosis must never stop the abort
-            detail = f" (could not ask the other ranks: {e})"
-    abort(f"[rank {rank}] zerompi watchdog: {what}{detail or ''}. Ending the job.", code)
+    """The line first (the survey is sockets only: it cannot crash), then the abort."""
+    rank = sidechannel.C.rank if sidechannel.C.rank >= 0 else _world("RANK", "?")
+    if detail is None and op is not None:
+        if sidechannel.ready():
+            try:
+                detail = _survey(op, step)[1]
+            except Exception as e:  # a diagnosis must never stop the abort
+                detail = f" (could not ask the other ranks: {e})"
+        elif _world("SIZE", "1") != "1":
+            detail = " (the other ranks cannot be asked where they are: the job had not mapped its nodes yet)"
+    abort(f"[rank {rank}] zerompi watchdog: {what}{detail or ''}. Ending the job.", code, from_thread=True)
+
+
+def _world(what: str, default: str) -> str:
+    """This rank's COMM_WORLD rank or size as the launcher's environment says (no MPI
+    call from this thread; the side channel knows the rank once the nodes are mapped)."""
+    slurm = {"RANK": "SLURM_PROCID", "SIZE": "SLURM_NTASKS"}[what]
+    for k in (f"PMI_{what}", f"OMPI_COMM_WORLD_{what}", f"PMIX_{what}", slurm):
+        if os.environ.get(k, "").isdigit():
+            return os.environ[k]
+    return default

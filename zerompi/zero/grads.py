@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..runtime.watchdog import waiting
 from .partition import FlatLayout
 from .state import ShardState
 from .weak_hooks import weakly
@@ -247,9 +248,11 @@ class GradReducer:
         h, k, slot = entry
         if poll and self.poll is not None:
             # Stage 3: a peer may be waiting for this rank in a gather round before it
-            # can launch this very block; keep serving rounds instead of blocking.
-            while not h.test():
-                self.poll()
+            # can launch this very block; keep serving rounds instead of blocking. Under
+            # the watchdog's deadline like any wait: a stopped or lost peer ends the job.
+            with waiting(getattr(h, "_op", "gradient reduction")):
+                while not h.test():
+                    self.poll()
         h.wait()
         s, e = self.layout.blocks[k]
         if self.mode == ALL_REDUCE:
