@@ -38,6 +38,13 @@ REGISTRY = {
     "bash benchmarks/gpu_acceptance.sh results/ --wheels /path/to/wheels":
         ("tests/system/test_gpu_acceptance.py", "gpu_acceptance.sh"),
 }
+# docs/quickstart.md's documents-to-Llama commands: the test holds them verbatim
+for _line in ("python -m zerompi.prepare docs/ --field text --tokenizer llama/tokenizer.json --val_fraction 0.01 "
+              "--out data/docs",
+              "mpiexec -n 2 python -m zerompi.train --init_from llama --tokenizer llama/tokenizer.json --data data/docs "
+              "--zero.stage 3 --max_steps 100 --run_dir runs/llama",
+              "python -m zerompi.export runs/llama/checkpoints --hf exports/llama"):
+    REGISTRY[_line] = ("tests/system/test_quickstart_llama.py", _line.split(" python ")[-1][:60])
 
 
 def doc_commands(text: str) -> list[tuple[int, str, str | None]]:
