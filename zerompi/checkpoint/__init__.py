@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from .format import CheckpointError
 
+# Every function here takes an engine, or anything with checkpoint_view() (its view, which
+# returns itself): the names it offers are all this package reads or sets
+# (zerompi/zero/checkpoint_view.py).
+
 __all__ = ["CheckpointError", "save", "poll", "flush", "load", "verify_checkpoint", "resolve", "read_manifest"]
 
 
@@ -38,10 +42,10 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
 
     if async_save:
         with generous("checkpoint save"):
-            return saver_of(engine, writer).begin(directory, tag, client_state, keep_last)
+            return saver_of(engine.checkpoint_view(), writer).begin(directory, tag, client_state, keep_last)
     flush(engine)  # never two saves in flight, and in order
     with generous("checkpoint save"):  # ranks wait for the slowest writer
-        return _save(engine, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+        return _save(engine.checkpoint_view(), directory, tag=tag, client_state=client_state, keep_last=keep_last)
 
 
 def poll(engine) -> dict | None:
@@ -50,13 +54,13 @@ def poll(engine) -> dict | None:
     when it published one, else None; raises CheckpointError (on every rank) if a
     background write failed. Costs one small non-blocking all-reduce per step while a
     save is in flight."""
-    saver = getattr(engine, "_async_saver", None)
+    saver = engine.checkpoint_view().saver
     return saver.poll() if saver is not None else None
 
 
 def flush(engine) -> dict | None:
     """Collective: wait for the asynchronous save in flight and publish it (as poll)."""
-    saver = getattr(engine, "_async_saver", None)
+    saver = engine.checkpoint_view().saver
     return saver.flush() if saver is not None else None
 
 
@@ -70,7 +74,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
 
     flush(engine)  # a save in flight is published (and its snapshot done) before the state changes
     with generous("checkpoint load"):  # ranks wait for the slowest hasher
-        return _load(engine, directory, tag=tag, verify=verify)
+        return _load(engine.checkpoint_view(), directory, tag=tag, verify=verify)
 
 
 def verify_checkpoint(path, tag: str | None = None) -> dict:

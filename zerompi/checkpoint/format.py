@@ -107,13 +107,13 @@ def sha256_file(path: str) -> tuple[str, int]:
     """(hex digest, size in bytes), reading in blocks (memory independent of the file)."""
     h, n = hashlib.sha256(), 0
     buf = bytearray(_HASH_BLOCK)
-    view = memoryview(buf)
+    mv = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while True:
-            k = f.readinto(view)
+            k = f.readinto(mv)
             if not k:
                 break
-            h.update(view[:k])
+            h.update(mv[:k])
             n += k
     return h.hexdigest(), n
 
@@ -162,10 +162,10 @@ def hash_threads(ranks_here: int = 1) -> int:
     return max(1, min(8, cpus // max(1, ranks_here)))
 
 
-def _pread_into(fd: int, view: memoryview, pos: int, path: str) -> None:
+def _pread_into(fd: int, mv: memoryview, pos: int, path: str) -> None:
     got = 0
-    while got < len(view):
-        k = os.preadv(fd, [view[got:]], pos + got)
+    while got < len(mv):
+        k = os.preadv(fd, [mv[got:]], pos + got)
         if k == 0:
             raise OSError(f"{path}: shorter than expected while reading (offset {pos + got})")
         got += k
@@ -174,9 +174,9 @@ def _pread_into(fd: int, view: memoryview, pos: int, path: str) -> None:
 def crc_range(fd: int, lo: int, hi: int, crc: BlockCRC, path: str = "file", buf: bytearray | None = None) -> None:
     """Feed bytes [lo, hi) of an open file to `crc`, through one small reused buffer."""
     buf = buf if buf is not None else bytearray(min(_READ_CHUNK, max(1, hi - lo)))
-    view = memoryview(buf)
+    mv = memoryview(buf)
     while lo < hi:
-        v = view[:min(len(view), hi - lo)]
+        v = mv[:min(len(mv), hi - lo)]
         _pread_into(fd, v, lo, path)
         crc.update(v)
         lo += len(v)
