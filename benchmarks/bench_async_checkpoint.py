@@ -64,7 +64,7 @@ def worker(a) -> None:
 
     import zerompi
     from zerompi.checkpoint import poll, save
-    from zerompi.checkpoint.async_save import AsyncSaver
+    from zerompi.checkpoint.background.saver import AsyncSaver
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerompi.checkpoint.background import ProcessWriter
+from zerompi.checkpoint.background.writers import ProcessWriter
 
 
 def _autogroup_nice(pid: int) -> int | None:

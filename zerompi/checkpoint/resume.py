@@ -24,8 +24,8 @@ import os
 from .. import runtime
 from ..runtime import JobError
 from . import directory as dirs
-from . import format as fmt
-from .format import CheckpointError
+from . import naming
+from .errors import CheckpointError
 from ..runtime.console import say
 
 HYPER = ("betas", "eps", "weight_decay")
@@ -40,10 +40,10 @@ def candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
     if resume_from:
         paths = (resume_from, os.path.join(ckpt_dir, resume_from))
         for path in paths:
-            if os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+            if os.path.isfile(os.path.join(path, naming.MANIFEST)):
                 return [os.path.abspath(path)], []
         for path in paths:
-            if os.path.isdir(path) and not os.path.exists(os.path.join(path, fmt.LATEST)):
+            if os.path.isdir(path) and not os.path.exists(os.path.join(path, naming.LATEST)):
                 raise ResumeError(f"--resume_from {resume_from}: {_no_manifest(path)}")
         tags = [t for _, t in dirs.list_checkpoints(ckpt_dir)] if os.path.isdir(ckpt_dir) else []
         raise ResumeError(f"--resume_from {resume_from}: no checkpoint there nor in {ckpt_dir} "
@@ -65,7 +65,7 @@ def candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
 
 
 def _no_manifest(path: str) -> str:
-    return (f"{os.path.join(path, fmt.MANIFEST)}: missing (not a complete zerompi checkpoint: "
+    return (f"{os.path.join(path, naming.MANIFEST)}: missing (not a complete zerompi checkpoint: "
             "damaged, or a save that never finished)")
 
 
@@ -101,7 +101,7 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
         # rank 0 cannot either, the directory has no manifest: damaged, or a save that
         # never finished, to be skipped like any other damage.
         blind = [r for r, _, _ in runtime.agree(
-            world, None if os.path.isfile(os.path.join(path, fmt.MANIFEST)) else "blind")]
+            world, None if os.path.isfile(os.path.join(path, naming.MANIFEST)) else "blind")]
         if blind and blind[0] != 0:
             raise ResumeError(f"rank{'s' if len(blind) > 1 else ''} {', '.join(map(str, blind))} cannot see "
                               f"checkpoint {path}, which rank 0 chose: is the run directory on a "

@@ -17,7 +17,7 @@ import time
 
 from .. import runtime
 from ..checkpoint import flush, poll, save
-from ..checkpoint.async_save import saver_of
+from ..checkpoint.background.saver import saver_of
 from ..checkpoint.resume import ResumeError
 from ..models.arch import ARCHITECTURE, record
 from ..runtime.console import say

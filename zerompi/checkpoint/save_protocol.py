@@ -4,8 +4,8 @@
 2. rank 0 creates DIR/.tmp-TAG-<random> and tells every rank its name; at the first save of a
    multi-node job, every node must see it (shared.py: else one message, nothing left);
 3. each rank writes rank-XXXXX.h5, checksumming its bytes from memory as they are
-   written (writer._stream, or rankfile.write_staged from a snapshot: CRC-32 per 64 MiB
-   block, as format.digest_file computes), and fsyncs it;
+   written (rankfile_engine._stream, or rankfile_h5.write_staged from a snapshot: CRC-32 per 64 MiB
+   block, as checksums.digest_file computes), and fsyncs it;
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
 5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
@@ -13,11 +13,11 @@
    saves and applies keep_last; the ranks agree on its outcome, so all of them return
    or raise together.
 
-An asynchronous save (async_save.py) runs steps 1-2 (start) when it is requested, step 3
+An asynchronous save (background/saver.py) runs steps 1-2 (start) when it is requested, step 3
 from a snapshot in the background, and steps 4-5 (finish) on the training thread once
 every rank's write has finished: the same protocol, the same messages.
 
-Every error agreement is format.raise_agreed (zerompi.runtime.agree underneath): the
+Every error agreement is errors.raise_agreed (zerompi.runtime.agree underneath): the
 message names the rank and the file; bad arguments keep TypeError/ValueError, anything
 else is CheckpointError.
 """
@@ -38,12 +38,12 @@ import torch
 from .. import runtime
 from ..optim import schedulers
 from . import directory as dirs
-from . import format as fmt
-from .format import CheckpointError
+from . import manifest_json, naming
+from .errors import CheckpointError, raise_agreed
 from .index import write_metadata
 from .shared import check_once as check_shared_once
 from .verify import check_coverage
-from .writer import model_tensors, rank_file_bytes, write_rank_file
+from .rankfile_engine import model_tensors, rank_file_bytes, write_rank_file
 
 _PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -53,7 +53,7 @@ def _build_manifest(view, tag: str, infos: list[dict], client_json: str, lowp: s
     from ..version import __version__
     from ..config import to_dict
 
-    tensors = {name: {"shape": list(shape), "link": fmt.link_name(name), "pieces": []}
+    tensors = {name: {"shape": list(shape), "link": naming.link_name(name), "pieces": []}
                for name, shape in model_tensors(view)}
     for r, info in enumerate(infos):
         for name, shape, lo, hi, off in info["pieces"]:
@@ -66,11 +66,11 @@ def _build_manifest(view, tag: str, infos: list[dict], client_json: str, lowp: s
         if id(p) in first and first[id(p)] != name:
             aliases[name] = first[id(p)]
         first.setdefault(id(p), name)
-    files = {fmt.rank_file(r): {"rank": r, "size": i["size"], "digest": i["digest"],
+    files = {naming.rank_file(r): {"rank": r, "size": i["size"], "digest": i["digest"],
                                 "elements": i["elements"]} for r, i in enumerate(infos)}
     cfg = view.config
     return {
-        "format": fmt.FORMAT, "format_version": fmt.VERSION, "tag": tag,
+        "format": naming.FORMAT, "format_version": naming.VERSION, "tag": tag,
         "created_ns": time.time_ns(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # str(): torch's TorchVersion, pickled to the background writer, would import torch there
         "zerompi_version": __version__, "torch_version": str(torch.__version__),
@@ -124,10 +124,10 @@ def start(view, directory, tag: str | None, client_state: dict | None, keep_last
     directory = os.path.abspath(os.fspath(directory))
     err, client_json, sched_json = None, None, None
     try:
-        client_json = fmt.client_state_json(client_state)
+        client_json = manifest_json.client_state_json(client_state)
         view.settle()  # a step decided on the device steps the scheduler when read
         sched_json = schedulers.state_json(view)
-        tag = fmt.check_tag(f"step-{view.global_steps}" if tag is None else tag)
+        tag = naming.check_tag(f"step-{view.global_steps}" if tag is None else tag)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: must be a positive int or None")
     except (TypeError, ValueError) as e:
@@ -136,7 +136,7 @@ def start(view, directory, tag: str | None, client_state: dict | None, keep_last
     if comm.rank == 0 and err is None:
         try:
             os.makedirs(directory, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
+            tmp = tempfile.mkdtemp(prefix=f"{naming.TMP_PREFIX}{tag}-", dir=directory)
             dirs.mark_owner(tmp)
             umask = os.umask(0o022)
             os.umask(umask)
@@ -155,8 +155,8 @@ def start(view, directory, tag: str | None, client_state: dict | None, keep_last
     check_shared_once(view.dims, directory, tmp)  # first save of a multi-node job: all nodes see it
     return {"directory": directory, "tmp": tmp, "tag": tag, "target": os.path.join(directory, tag),
             "client_json": client_json, "sched_json": sched_json, "keep_last": keep_last,
-            "lowp": fmt.lowp_kind(view.config.precision),
-            "path": os.path.join(tmp, fmt.rank_file(comm.rank))}
+            "lowp": naming.lowp_kind(view.config.precision),
+            "path": os.path.join(tmp, naming.rank_file(comm.rank))}
 
 
 def agree_written(view, s: dict, info: dict | None, err: str | None, all_done: bool = False) -> list[dict]:
@@ -211,7 +211,7 @@ def publish(view, s: dict, err: str | None) -> str:
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
     comm.barrier(poll=True)  # rank 0 publishes alone meanwhile
-    fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's outcome
+    raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's outcome
     return target
 
 

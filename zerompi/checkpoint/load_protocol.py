@@ -3,7 +3,7 @@
 1. rank 0 finds the checkpoint (tag or DIR/latest) and broadcasts manifest.json;
 2. every rank checks all file sizes and hashes its share of the files (file i on rank
    i % M), checks piece coverage and that names/shapes match the model; the ranks
-   agree on their findings (format.raise_agreed), so either all continue or all raise
+   agree on their findings (errors.raise_agreed), so either all continue or all raise
    CheckpointError, naming the rank and the file;
 3. every rank reads only the element ranges it owns now (state_io.needed_pieces via
    fetch), from the rank files that hold them, straight into the engine's host buffers
@@ -26,11 +26,11 @@ import torch
 from .. import runtime
 from ..optim import schedulers
 from . import directory as dirs
-from . import format as fmt
+from . import manifest_json, naming
+from .errors import CheckpointError, raise_agreed
 from . import verify as ver
-from .format import CheckpointError
 from .reader import PieceReader
-from .writer import model_tensors, module_tensors
+from .rankfile_engine import model_tensors, module_tensors
 
 _CONTEXT = "cannot load checkpoint"
 
@@ -43,7 +43,7 @@ def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
         try:
             ckpt = dirs.resolve(directory, tag)
             if ckpt is not None:
-                path = os.path.join(ckpt, fmt.MANIFEST)
+                path = os.path.join(ckpt, naming.MANIFEST)
                 try:
                     with open(path, "rb") as f:
                         found = (ckpt, f.read())
@@ -51,14 +51,14 @@ def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
                     raise CheckpointError(f"{path}: missing (not a complete zerompi checkpoint)") from None
         except (CheckpointError, ValueError, OSError) as e:
             err = str(e)
-    fmt.raise_agreed(comm, err, _CONTEXT)
+    raise_agreed(comm, err, _CONTEXT)
     return comm.bcast_object(found)
 
 
 def _check(view, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, list[str]]:
     comm = view.dims.world
     try:
-        manifest = fmt.unseal(text, os.path.join(ckpt, fmt.MANIFEST))
+        manifest = manifest_json.unseal(text, os.path.join(ckpt, naming.MANIFEST))
         manifest["_path"] = ckpt
     except CheckpointError as e:
         return None, [str(e)]
@@ -105,7 +105,7 @@ def load(view, directory, tag: str | None = None, verify: bool = True) -> dict |
     # sleeping, since ranks spinning in the agreement's allgather would take the cores
     # of those still hashing when ranks outnumber cores.
     comm.barrier(poll=True)
-    fmt.raise_agreed(comm, errors, _CONTEXT)
+    raise_agreed(comm, errors, _CONTEXT)
 
     same_world = (manifest["world_size"] == comm.size
                   and manifest.get("tensor_parallel_size", 1) == view.dims.tp_size)
@@ -119,7 +119,7 @@ def load(view, directory, tag: str | None = None, verify: bool = True) -> dict |
             extra = {n: reader.module_tensor(n) for n in manifest.get("module_tensors", {})}
         except CheckpointError as e:
             errors.append(str(e))
-        fmt.raise_agreed(comm, errors, _CONTEXT)
+        raise_agreed(comm, errors, _CONTEXT)
 
         def fetch(kind: str, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
             if out is None:

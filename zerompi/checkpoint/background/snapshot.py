@@ -4,7 +4,7 @@ A save copies what this rank's file holds into one host buffer, allocated once t
 the engine's Placement (device.Placement.host_staging: page-aligned, shareable with a
 helper process, page-locked on a GPU) and laid out as the file's datasets are: each
 state kind (fp32), the low-precision parameter copy, rank 0's frozen parameters and
-buffers. The background writer (rankfile.write_staged) then writes straight from it.
+buffers. The background writer (rankfile_h5.write_staged) then writes straight from it.
 
 What changes when (so what must be copied before what):
 - small things (counters, scaler, AdamW steps, parameter groups, RNG states) and the
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from .rankfile import ALIGN
-from .writer import header_of
+from ..rankfile_h5 import ALIGN
+from ..rankfile_engine import header_of
 
 
 def _store_dtype(t: torch.Tensor) -> torch.dtype:
@@ -168,7 +168,7 @@ class Snapshot:
             self.fence_s = time.perf_counter() - t0
 
     def module_info(self) -> dict:
-        from .rankfile import module_entry
+        from ..rankfile_h5 import module_entry
 
         return {name: module_entry(name, shape, dt, td, role)
                 for name, td, role, shape, dt, _ in self.staging.module}

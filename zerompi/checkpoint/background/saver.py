@@ -1,14 +1,14 @@
-"""Asynchronous saves: the same checkpoint as saving.save, written in the background.
+"""Asynchronous saves: the same checkpoint as save_protocol.save, written in the background.
 
     save(engine, DIR, async_save=True)   # collective: snapshot, then training goes on
     poll(engine)                         # collective, once per step: advance, publish
     flush(engine)                        # collective: finish the save in flight, publish
 
-A save runs saving.start on every rank (arguments, rank 0's temporary directory), takes
+A save runs save_protocol.start on every rank (arguments, rank 0's temporary directory), takes
 a Snapshot into the rank's staging buffer and returns. Then, each step advanced by a
 poll once every rank's part of it has finished:
   write  every rank's background task copies the snapshot and writes its file;
-  meta   the ranks agree that all files are written (saving.agree_written: the piece
+  meta   the ranks agree that all files are written (save_protocol.agree_written: the piece
          tables are exchanged, or everyone raises); rank 0's background task writes
          index.h5 and manifest.json (about a second of HDF5 calls for a GPT-2-sized model,
          which would otherwise stall every rank);
@@ -33,12 +33,12 @@ import sys
 import time
 import weakref
 
-from ..runtime import watchdog
-from ..runtime.console import say
-from . import saving
-from .background import WRITER_KINDS, WRITER_NICE, ProcessWriter, Task, ThreadWriter, save_task
-from .staging import Snapshot, Staging
-from .writer import module_tensors
+from ...runtime import watchdog
+from ...runtime.console import say
+from .. import save_protocol
+from .writers import WRITER_KINDS, WRITER_NICE, ProcessWriter, Task, ThreadWriter, save_task
+from .snapshot import Snapshot, Staging
+from ..rankfile_engine import module_tensors
 
 
 class InFlight:
@@ -79,10 +79,10 @@ class AsyncSaver:
         """Allocate the staging buffer, touch its pages and start the writer now (a
         trainer's set-up) instead of at the first save, where page faults would slow
         the snapshot copy and a helper process would start while training runs."""
-        from . import format as fmt
+        from .. import naming
 
         view = self.view()
-        self._prepare(view, fmt.lowp_kind(view.config.precision), module_tensors(view))
+        self._prepare(view, naming.lowp_kind(view.config.precision), module_tensors(view))
         self.staging.mem.zero_()
 
     def begin(self, directory, tag, client_state, keep_last) -> str:
@@ -97,7 +97,7 @@ class AsyncSaver:
             say(f"checkpoint: waited {waited:.2f} s for the save of {prev} to finish before saving "
                 f"{tag or f'step-{view.global_steps}'} (at most one save is in flight)", rank=view.dims.world.rank)
         t1 = time.perf_counter()
-        s = saving.start(view, directory, tag, client_state, keep_last)
+        s = save_protocol.start(view, directory, tag, client_state, keep_last)
         try:
             mods = module_tensors(view)   # frozen parameters and buffers: (name, tensor, role)
             self._prepare(view, s["lowp"], mods)
@@ -171,17 +171,17 @@ class AsyncSaver:
         s, task = f.start, f.task
         info = err = None
         if task.error is not None:
-            err = saving.write_error(task.error, s["path"], view, s["lowp"])
+            err = save_protocol.write_error(task.error, s["path"], view, s["lowp"])
         else:
             info = dict(f.snapshot.summary, pieces=f.snapshot.header["pieces"], elements=f.snapshot.elements,
                         module=f.snapshot.module_info(), digest=task.result[0], size=task.result[1],
                         write_s=task.seconds)
-        infos = saving.agree_written(view, s, info, err, all_done=True)   # raises on every rank if any failed
+        infos = save_protocol.agree_written(view, s, info, err, all_done=True)   # raises on every rank if any failed
         f.write_s = max(i["write_s"] for i in infos)
         f.phase, f.task = "meta", None
         if view.dims.world.rank == 0:
             try:
-                manifest = saving.manifest_of(view, s, infos)
+                manifest = save_protocol.manifest_of(view, s, infos)
             except Exception as e:
                 f.meta_err = f"{type(e).__name__}: {e}"
             else:
@@ -194,7 +194,7 @@ class AsyncSaver:
         if f.task is not None and f.task.error is not None:
             e = f.task.error
             err = f"{getattr(e, 'kind', type(e).__name__)}: {e}"
-        path = saving.publish(view, f.start, err)
+        path = save_protocol.publish(view, f.start, err)
         self.inflight = None
         rec = {"path": path, "tag": f.start["tag"], "stall_s": f.stall_s + f.snapshot.fence_s,
                "write_s": f.write_s, "waited_s": f.waited_s, "parts": dict(f.parts, fence_s=f.snapshot.fence_s)}
