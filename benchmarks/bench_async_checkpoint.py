@@ -64,7 +64,7 @@ def worker(a) -> None:
 
     import zerompi
     from zerompi.checkpoint import poll, save
-    from zerompi.checkpoint.async_save import AsyncSaver
+    from zerompi.checkpoint.background.saver import AsyncSaver
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
@@ -74,7 +74,7 @@ def worker(a) -> None:
     vocab = model.config.vocab_size
     kinds = sorted({k for k in a.order if k != "sync"})
     # "process@19": the process writer at nice 19 (default: background.WRITER_NICE)
-    savers = {k: AsyncSaver(engine, k.split("@")[0], *([int(k.split("@")[1])] if "@" in k else [])) for k in kinds}
+    savers = {k: AsyncSaver(engine.checkpoint_view(), k.split("@")[0], *([int(k.split("@")[1])] if "@" in k else [])) for k in kinds}
     for s in savers.values():
         s.prepare()   # as python -m zerompi.train does before its first step
     timeline, events = [], []
@@ -108,7 +108,7 @@ def worker(a) -> None:
             ev = {"kind": kind, "stall_s": time.perf_counter() - t0, "write_s": time.perf_counter() - t0,
                   "steps": 0}
         else:
-            engine._async_saver = savers[kind]
+            engine.checkpoint_view().saver = savers[kind]
             save(engine, a.dir, tag=tag, keep_last=2, async_save=True, writer=kind.split("@")[0])
             begin = time.perf_counter() - t0
             k, rec = 0, None

@@ -39,7 +39,7 @@ import numpy as np
 
 from .checkpoint import verify as ver
 from .checkpoint.directory import resolve
-from .checkpoint.format import CheckpointError
+from .checkpoint.errors import CheckpointError
 from .checkpoint.reader import PieceReader
 from .runtime.fileio import atomic_file, atomic_write
 

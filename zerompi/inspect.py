@@ -19,10 +19,10 @@ import sys
 
 import numpy as np
 
-from .checkpoint import format as fmt
+from .checkpoint import naming
 from .checkpoint import verify as ver
 from .checkpoint.directory import resolve
-from .checkpoint.format import CheckpointError
+from .checkpoint.errors import CheckpointError
 from .checkpoint.reader import PieceReader
 
 _CHUNK = 1 << 22  # elements read at a time for statistics
@@ -86,7 +86,7 @@ def summary(ckpt: str, m: dict, out=sys.stdout) -> None:
         n = _numel(t["shape"])
         p(f"  {name:<{width}}  {str(t['shape']):<14} {'float32':<9}{n:>12}  {human(4 * n):>10}  {owners(t['pieces'])}")
     if m.get("module_tensors"):
-        p(f"module state (frozen parameters, buffers) under /module, held by {fmt.rank_file(0)}:")
+        p(f"module state (frozen parameters, buffers) under /module, held by {naming.rank_file(0)}:")
         for name, t in m["module_tensors"].items():
             n = _numel(t["shape"])
             p(f"  {name:<{width}}  {str(t['shape']):<14} {t['torch_dtype']:<9}{n:>12}  {t['role']}")

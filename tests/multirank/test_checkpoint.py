@@ -21,7 +21,7 @@ import pytest
 
 from checkpoint_cases import KINDS, full_state, max_diff, read_dump, train_job
 from mpirun import ROOT
-from zerompi.checkpoint import format as fmt
+from zerompi.checkpoint import naming
 
 
 # ---------------------------------------------------------------------------- resume
@@ -117,8 +117,8 @@ def test_reshard(n, sharded, ckpt_base, tmp_path):
         for kind in KINDS:
             for name in src[kind]:
                 assert np.array_equal(src[kind][name], new[kind][name]), (m, s, t, kind, name)
-        with h5py.File(src_dir(m, s) / "step-3" / fmt.rank_file(0)) as a, \
-                h5py.File(tmp_path / f"from-n{m}s{s}-to-s{t}" / "reloaded" / fmt.rank_file(0)) as b:
+        with h5py.File(src_dir(m, s) / "step-3" / naming.rank_file(0)) as a, \
+                h5py.File(tmp_path / f"from-n{m}s{s}-to-s{t}" / "reloaded" / naming.rank_file(0)) as b:
             assert json.loads(a["optimizer"].attrs["steps"]) == json.loads(b["optimizer"].attrs["steps"])
         diff = max_diff(refs[(m, s)], read_dump(tmp_path / f"from-n{m}s{s}-to-s{t}-final.h5"))
         worst = max(worst, diff)

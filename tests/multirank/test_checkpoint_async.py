@@ -18,7 +18,7 @@ from mpirun import WORKERS, run_mpi
 
 import zerompi
 from zerompi.checkpoint import CheckpointError, flush, poll, save, verify_checkpoint
-from zerompi.checkpoint import format as fmt
+from zerompi.checkpoint import naming
 
 CASES = {"s0": ("odd", 0, "fp32"), "s1": ("odd", 1, "fp32"), "s2": ("odd", 2, "fp32"),
          "s3": ("shapes", 3, "fp32"), "bf16": ("gpt", 2, "bf16")}
@@ -74,7 +74,7 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_bitwise(tmp_path):
         assert ma["tensors"] == mb["tensors"] and ma["module_tensors"] == mb["module_tensors"], k
         assert ma["client_state"] == mb["client_state"], k
         for r in range(2):
-            _same(_rank_file_contents(a / fmt.rank_file(r)), _rank_file_contents(b / fmt.rank_file(r)))
+            _same(_rank_file_contents(a / naming.rank_file(r)), _rank_file_contents(b / naming.rank_file(r)))
     assert "checkpoint: waited" in log and "for the save of w1 to finish before saving w2" in log, log[-3000:]
     assert res[-1][-1]["published"] == str(d / "W" / "w2")
     assert (d / "W" / "latest").read_text().strip() == "w2" and verify_checkpoint(d / "W" / "w1")
@@ -144,7 +144,7 @@ def test_staging_is_allocated_once_through_the_engines_placement(engine, tmp_pat
         save(engine, tmp_path, tag=f"t{i}", async_save=True, keep_last=2)
         _step(engine)
         assert flush(engine)["tag"] == f"t{i}"
-        with h5py.File(tmp_path / f"t{i}" / fmt.rank_file(0), "r") as f:
+        with h5py.File(tmp_path / f"t{i}" / naming.rank_file(0), "r") as f:
             for kind, t in want.items():
                 assert np.array_equal(f[f"state/{kind}"][()], t.numpy()), kind
     assert len(calls) == 1 and calls[0][0] is engine.state.placement, calls
@@ -155,7 +155,7 @@ def test_a_snapshot_that_cannot_be_taken_fails_the_save(engine, tmp_path, monkey
     """No host memory for the staging buffer (or any other failure before the background
     write starts): reported like a failed background write, at the next poll on every
     rank, the temporary directory removed."""
-    from zerompi.checkpoint import staging
+    from zerompi.checkpoint.background import snapshot as staging
 
     def no_memory(*a, **k):
         raise MemoryError("staging")
@@ -173,14 +173,14 @@ def test_unflushed_save_is_never_published_and_says_so(tmp_path):
     directory (never loaded, removed by the next save's cleanup) and says so."""
     code = ("import torch, zerompi, sys; from zerompi.checkpoint import save\n"
             "e = zerompi.initialize(torch.nn.Linear(64, 64), {'stage': 1}); save(e, sys.argv[1], tag='a')\n"
-            "from zerompi.checkpoint.staging import Snapshot; import time\n"
+            "from zerompi.checkpoint.background.snapshot import Snapshot; import time\n"
             "c = Snapshot.copy; Snapshot.copy = lambda s: (time.sleep(30), c(s))\n"
             "save(e, sys.argv[1], tag='b', async_save=True)\n")
     res = run_mpi(1, ["-c", code, str(tmp_path)], timeout=120, module=False)
     assert "checkpoint " + str(tmp_path / "b") + " was still being written at exit and is not published" in res.stdout
     assert sorted(e for e in os.listdir(tmp_path) if not e.startswith(".")) == ["a", "latest"]
     assert (tmp_path / "latest").read_text() == "a\n" and verify_checkpoint(tmp_path)["tag"] == "a"
-    assert [e for e in os.listdir(tmp_path) if e.startswith(fmt.TMP_PREFIX + "b-")]
+    assert [e for e in os.listdir(tmp_path) if e.startswith(naming.TMP_PREFIX + "b-")]
 
 
 if __name__ == "__main__":

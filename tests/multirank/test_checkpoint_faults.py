@@ -12,7 +12,8 @@ import pytest
 
 from checkpoint_cases import train_job
 from mpirun import ROOT, WORKERS, run_mpi
-from zerompi.checkpoint import CheckpointError, format as fmt, verify_checkpoint
+from zerompi.checkpoint import CheckpointError, verify_checkpoint
+from zerompi.checkpoint import manifest_json, naming
 from zerompi.checkpoint.directory import resolve, rotate, write_latest
 
 
@@ -114,7 +115,7 @@ def test_rotation_only_touches_checkpoints(ckpt_base, tmp_path):
         shutil.copytree(ckpt_base["dir"] / "s1" / "step-3", d / t)
         m = json.loads((d / t / "manifest.json").read_text())
         m["created_ns"] = {"a": 1, "b": 2, "c": 3}[t]
-        (d / t / "manifest.json").write_text(json.dumps(fmt.seal(m)))
+        (d / t / "manifest.json").write_text(json.dumps(manifest_json.seal(m)))
     (d / "notes").mkdir()
     write_latest(str(d), "c")
     assert rotate(str(d), 1, "c") == ["a", "b"]
@@ -134,7 +135,7 @@ def test_missing_manifest_is_damage_and_resume_falls_back(tmp_path, capfd):
     eng = zerompi.initialize(torch.nn.Linear(8, 4), {"stage": 1})
     for step in (1, 2):
         eng.save_checkpoint(tmp_path, tag=f"step_{step:07d}", client_state={"step": step})
-    os.unlink(tmp_path / "step_0000002" / fmt.MANIFEST)
+    os.unlink(tmp_path / "step_0000002" / naming.MANIFEST)
     client = resume(eng, eng.dims.world, tmp_path)
     err = capfd.readouterr().err
     assert client == {"step": 1}, err

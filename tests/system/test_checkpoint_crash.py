@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from mpirun import ROOT, WORKERS, mpi_env, run_mpi
-from zerompi.checkpoint import format as fmt, verify_checkpoint
+from zerompi.checkpoint import verify_checkpoint
+from zerompi.checkpoint import naming
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -102,7 +103,7 @@ def test_sigkill_of_one_rank_during_background_writes(tmp_path):
             if not e.startswith(".") and (ck / e).is_dir():
                 verify_checkpoint(ck / e)
         assert not saved or m["counters"]["global_steps"] >= int(saved[-1].split("-")[1]), (saved, m["tag"])
-        hits += any(e.startswith(fmt.TMP_PREFIX) for e in os.listdir(ck))
+        hits += any(e.startswith(naming.TMP_PREFIX) for e in os.listdir(ck))
     assert hits >= 1   # some kill landed inside a background write
     t0 = time.monotonic()   # no writer helper outlived its rank (PR_SET_PDEATHSIG)
     while _orphan_writers():
@@ -112,7 +113,7 @@ def test_sigkill_of_one_rank_during_background_writes(tmp_path):
 
 def _orphan_writers() -> list[int]:
     """Writer helpers whose rank (the last argument) is gone; other tests' live ones are not."""
-    found = subprocess.run(["pgrep", "-f", "zerompi.checkpoint.writer_process"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", "zerompi.checkpoint.background.helper"], capture_output=True, text=True)
     orphans = []
     for pid in found.stdout.split():
         try:

@@ -1,4 +1,4 @@
-"""The checkpoint format's pure helpers (zerompi/checkpoint/format.py): hyperslabs of a
+"""The checkpoint format's pure helpers (zerompi/checkpoint/naming.py, hdf5.py, manifest_json.py): hyperslabs of a
 flat piece, client_state as JSON, names and tags. Checkpoints written by jobs:
 tests/multirank/test_checkpoint.py."""
 import json
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from zerompi.checkpoint import format as fmt
+from zerompi.checkpoint import hdf5, manifest_json, naming
 
 
 def test_flat_blocks_tile_every_range():
@@ -20,25 +20,25 @@ def test_flat_blocks_tile_every_range():
         lo = rng.randint(0, n - 1)
         hi = rng.randint(lo + 1, n)
         seen = []
-        for start, count in fmt.flat_blocks(shape, lo, hi):
+        for start, count in hdf5.flat_blocks(shape, lo, hi):
             idx = np.zeros(shape, dtype=bool)
             idx[tuple(slice(s, s + c) for s, c in zip(start, count))] = True
             seen.extend(np.flatnonzero(idx.ravel()))
         assert seen == list(range(lo, hi)), (shape, lo, hi)
-        assert len(fmt.flat_blocks(shape, lo, hi)) <= 2 * len(shape) - 1
+        assert len(hdf5.flat_blocks(shape, lo, hi)) <= 2 * len(shape) - 1
 
 
 def test_client_state_must_be_json():
     with pytest.raises(TypeError, match=r"client_state\['loader'\]\['rng'\]: Generator"):
-        fmt.client_state_json({"step": 1, "loader": {"rng": np.random.default_rng()}})
+        manifest_json.client_state_json({"step": 1, "loader": {"rng": np.random.default_rng()}})
     with pytest.raises(TypeError, match="key 3 is a int"):
-        fmt.client_state_json({3: "x"})
-    assert json.loads(fmt.client_state_json({"a": [1, 2.5, "x", None]})) == {"a": [1, 2.5, "x", None]}
+        manifest_json.client_state_json({3: "x"})
+    assert json.loads(manifest_json.client_state_json({"a": [1, 2.5, "x", None]})) == {"a": [1, 2.5, "x", None]}
 
 
 def test_names_and_tags():
-    assert fmt.link_name("body.0.weight") == "body.0.weight"
-    assert fmt.link_name("a/b%c") == "a%2Fb%25c"
+    assert naming.link_name("body.0.weight") == "body.0.weight"
+    assert naming.link_name("a/b%c") == "a%2Fb%25c"
     for bad in ("", "latest", ".tmp-x", "a/b", "-x", "x" * 300):
         with pytest.raises(ValueError):
-            fmt.check_tag(bad)
+            naming.check_tag(bad)

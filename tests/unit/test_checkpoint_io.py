@@ -10,25 +10,25 @@ import numpy as np
 import pytest
 import torch
 
-from zerompi.checkpoint import format as fmt
+from zerompi.checkpoint import checksums, manifest_json, naming
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(fmt, "_DIGEST_BLOCK", 1 << 20)
+    monkeypatch.setattr(checksums, "_DIGEST_BLOCK", 1 << 20)
 
 
 def test_block_checksum_is_thread_count_independent_and_catches_a_flip(tmp_path, small_blocks):
     p = tmp_path / "f.bin"
     data = bytearray(os.urandom((5 << 20) + 12345))  # 6 blocks, the last one short
     p.write_bytes(data)
-    one, size = fmt.digest_file(str(p), threads=1)
+    one, size = checksums.digest_file(str(p), threads=1)
     assert size == len(data) and one.startswith("crc32/64MiB:") and len(one.split(":")[1]) == 6 * 8
-    assert fmt.digest_file(str(p), threads=4)[0] == one
+    assert checksums.digest_file(str(p), threads=4)[0] == one
     data[3 << 20] ^= 0x01
     p.write_bytes(data)
-    assert fmt.digest_file(str(p), threads=2)[0] != one
-    ok, algo = fmt.file_matches(str(p), {"digest": one})
+    assert checksums.digest_file(str(p), threads=2)[0] != one
+    ok, algo = checksums.file_matches(str(p), {"digest": one})
     assert not ok and algo == "crc32"
 
 
@@ -36,8 +36,8 @@ def test_legacy_sha256_entries_are_still_verified(tmp_path):
     p = tmp_path / "f.bin"
     p.write_bytes(b"zerompi" * 1000)
     good = {"sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-    assert fmt.file_matches(str(p), good) == (True, "sha256")
-    assert fmt.file_matches(str(p), {"sha256": "0" * 64}) == (False, "sha256")
+    assert checksums.file_matches(str(p), good) == (True, "sha256")
+    assert checksums.file_matches(str(p), {"sha256": "0" * 64}) == (False, "sha256")
 
 
 def test_save_streams_views_of_the_engine_buffers():
@@ -59,11 +59,11 @@ def test_block_crc_of_a_stream_equals_the_file_digest(tmp_path, small_blocks):
     data = os.urandom((3 << 20) + 777)
     p = tmp_path / "f.bin"
     p.write_bytes(data)
-    c, pos = fmt.BlockCRC(), 0
+    c, pos = checksums.BlockCRC(), 0
     for k in (1, 5000, 1 << 20, 3, (1 << 20) + 11, len(data)):  # pieces across block edges
         c.update(data[pos:pos + k])
         pos += k
-    assert c.size == len(data) and c.digest() == fmt.digest_file(str(p))[0]
+    assert c.size == len(data) and c.digest() == checksums.digest_file(str(p))[0]
 
 
 @pytest.mark.parametrize("direct", ["1", "0"])
@@ -76,7 +76,7 @@ def test_digest_computed_while_writing_matches_the_file(tmp_path, monkeypatch, s
 
     import zerompi
     from zerompi.checkpoint import save, verify_checkpoint
-    from zerompi.checkpoint import writer
+    from zerompi.checkpoint import rankfile_engine as writer
 
     monkeypatch.setattr(writer, "_CHUNK", 4096)
     monkeypatch.setenv("ZEROMPI_CHECKPOINT_DIRECT_IO", direct)
@@ -85,16 +85,16 @@ def test_digest_computed_while_writing_matches_the_file(tmp_path, monkeypatch, s
                              {"stage": 2, "precision": precision})
     path = save(eng, tmp_path, tag="t")
     m = json.loads((tmp_path / "t" / "manifest.json").read_text())
-    assert m["format_version"] == fmt.VERSION == 2
+    assert m["format_version"] == naming.VERSION == 2
     for name, info in m["files"].items():
-        digest, size = fmt.digest_file(os.path.join(path, name))
+        digest, size = checksums.digest_file(os.path.join(path, name))
         assert (digest, size) == (info["digest"], info["size"]) and len(digest.split(":")[1]) > 8, name
     verify_checkpoint(path)
-    with h5py.File(os.path.join(path, fmt.rank_file(0)), "r") as f:   # the values, as written
+    with h5py.File(os.path.join(path, naming.rank_file(0)), "r") as f:   # the values, as written
         for kind, t in eng.export_state()["tensors"].items():
             assert np.array_equal(f[f"state/{kind}"][()], t.numpy()), kind
         if precision != "fp32":
-            lowp = fmt.lowp_kind(precision)
+            lowp = naming.lowp_kind(precision)
             want = eng.export_state()["tensors"]["param"].to(torch.bfloat16 if precision == "bf16" else torch.float16)
             assert np.array_equal(f[f"state/{lowp}"][()], want.float().numpy())
 
@@ -102,7 +102,7 @@ def test_digest_computed_while_writing_matches_the_file(tmp_path, monkeypatch, s
 def test_diverged_state_is_refused_naming_the_tensor(tmp_path, monkeypatch):
     import zerompi
     from zerompi.checkpoint import CheckpointError, save
-    from zerompi.checkpoint import writer
+    from zerompi.checkpoint import rankfile_engine as writer
 
     monkeypatch.setattr(writer, "_CHUNK", 4096)
     torch.manual_seed(0)
@@ -129,11 +129,11 @@ def test_version_1_manifests_with_digest_entries_still_verify(tmp_path):
     torch.manual_seed(0)
     eng = zerompi.initialize(torch.nn.Linear(20, 30), {"stage": 2, "precision": "fp32"})
     path = save(eng, tmp_path, tag="t")
-    mpath = os.path.join(path, fmt.MANIFEST)
+    mpath = os.path.join(path, naming.MANIFEST)
     m = json.loads(open(mpath).read())
     for version, ok in ((1, True), (3, False)):
         with open(mpath, "w") as f:
-            f.write(json.dumps(fmt.seal(dict(m, format_version=version))))
+            f.write(json.dumps(manifest_json.seal(dict(m, format_version=version))))
         if ok:
             assert verify_checkpoint(path)["format_version"] == 1
         else:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerompi.checkpoint.background import ProcessWriter
+from zerompi.checkpoint.background.writers import ProcessWriter
 
 
 def _autogroup_nice(pid: int) -> int | None:
@@ -58,7 +58,7 @@ def test_the_helper_never_imports_torch(tmp_path):
     engine = zerompi.initialize(torch.nn.Linear(4, 4), {"stage": 2})
     zerompi.checkpoint.save(engine, tmp_path, async_save=True)
     zerompi.checkpoint.flush(engine)  # the rank file and the manifest went through the helper
-    saver = engine._async_saver
+    saver = engine.checkpoint_view().saver
     try:
         assert (tmp_path / "latest").exists() and saver.writer.proc.poll() is None
         with open(f"/proc/{saver.writer.proc.pid}/maps") as f:

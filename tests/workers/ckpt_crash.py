@@ -67,7 +67,7 @@ def child(report, once: bool) -> None:
         t.start()
 
     def published():
-        saver = getattr(engine, "_async_saver", None)
+        saver = engine.checkpoint_view().saver
         for rec in saver.drain() if saver is not None else []:
             report(f"saved {rec['tag']}")
 

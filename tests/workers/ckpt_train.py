@@ -30,7 +30,7 @@ from mpi4py import MPI
 import zerompi
 import zerompi.checkpoint
 from zerompi.checkpoint import CheckpointError
-from zerompi.checkpoint.staging import Snapshot
+from zerompi.checkpoint.background.snapshot import Snapshot
 from common import global_batch, make_model, micro_slices, vocab_of
 zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)
 

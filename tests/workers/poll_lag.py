@@ -11,7 +11,8 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from zerompi.checkpoint import background, poll, save
+from zerompi.checkpoint import poll, save
+from zerompi.checkpoint.background import writers as background
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

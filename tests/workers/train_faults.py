@@ -11,7 +11,7 @@ import sys
 import time
 
 import zerompi.train
-from zerompi.checkpoint import background
+from zerompi.checkpoint.background import writers as background
 from zerompi.zero.engine import ZeroEngine
 import zerompi.runtime
 zerompi.runtime.freeze_startup_heap()  # as zerompi.train does (runtime/pygc.py)

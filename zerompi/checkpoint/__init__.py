@@ -3,18 +3,31 @@
     path = zerompi.checkpoint.save(engine, "ckpt")            # collective; -> ckpt/step-N
     client_state = zerompi.checkpoint.load(engine, "ckpt")    # collective; ckpt/latest
 
-Layout and guarantees: docs/checkpoints.md. Modules: format (names, types, checksums),
-writer and rankfile (one rank's file), index (index.h5 virtual datasets), directory
-(atomic publish, latest, rotation), verify, reader (ranges from rank files),
-saving/loading (the MPI protocols); asynchronous saves: async_save (poll, flush, the
-publication steps), staging (the snapshot), background and writer_process (the writer). Inspect and export from the shell: `python -m zerompi.inspect`,
+Layout and guarantees: docs/checkpoints.md. Modules:
+  save_protocol, load_protocol   the collective save and load (all ranks together)
+  rankfile_engine                one rank's file written from the engine's tensors (torch)
+  rankfile_h5                    the rank file's HDF5 structure, and its write from a staging
+                                 buffer (no torch: the background helper process uses it)
+  index                          index.h5: virtual datasets at full shape
+  directory, shared              atomic publish, latest, rotation; every node sees DIR
+  verify, reader                 checks; element ranges read from rank files
+  resume                         what a training run resumes from
+  naming, errors, hdf5, checksums, manifest_json   the format: names, the error type, HDF5
+                                 types and hyperslabs, file checksums, manifest JSON
+  background/                    asynchronous saves: saver, snapshot, writers, helper
+The engine is read and set only through its checkpoint view (zerompi/zero/checkpoint_view.py).
+Inspect and export from the shell: `python -m zerompi.inspect`,
 `python -m zerompi.export`.
 
 Only h5py/numpy/JSON are used to read: nothing in a checkpoint can execute code.
 """
 from __future__ import annotations
 
-from .format import CheckpointError
+from .errors import CheckpointError
+
+# Every function here takes an engine, or anything with checkpoint_view() (its view, which
+# returns itself): the names it offers are all this package reads or sets
+# (zerompi/zero/checkpoint_view.py).
 
 __all__ = ["CheckpointError", "save", "poll", "flush", "load", "verify_checkpoint", "resolve", "read_manifest"]
 
@@ -33,15 +46,15 @@ def save(engine, directory, tag: str | None = None, client_state: dict | None = 
     then the path does not exist and DIR/latest names the previous checkpoint. At most
     one save is in flight; a save waits for the one before (docs/checkpoints.md)."""
     from ..runtime.watchdog import generous
-    from .async_save import saver_of
-    from .saving import save as _save
+    from .background.saver import saver_of
+    from .save_protocol import save as _save
 
     if async_save:
         with generous("checkpoint save"):
-            return saver_of(engine, writer).begin(directory, tag, client_state, keep_last)
+            return saver_of(engine.checkpoint_view(), writer).begin(directory, tag, client_state, keep_last)
     flush(engine)  # never two saves in flight, and in order
     with generous("checkpoint save"):  # ranks wait for the slowest writer
-        return _save(engine, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+        return _save(engine.checkpoint_view(), directory, tag=tag, client_state=client_state, keep_last=keep_last)
 
 
 def poll(engine) -> dict | None:
@@ -50,13 +63,13 @@ def poll(engine) -> dict | None:
     when it published one, else None; raises CheckpointError (on every rank) if a
     background write failed. Costs one small non-blocking all-reduce per step while a
     save is in flight."""
-    saver = getattr(engine, "_async_saver", None)
+    saver = engine.checkpoint_view().saver
     return saver.poll() if saver is not None else None
 
 
 def flush(engine) -> dict | None:
     """Collective: wait for the asynchronous save in flight and publish it (as poll)."""
-    saver = getattr(engine, "_async_saver", None)
+    saver = engine.checkpoint_view().saver
     return saver.flush() if saver is not None else None
 
 
@@ -66,11 +79,11 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
     client_state, or None when DIR holds no checkpoint. Raises CheckpointError, on every
     rank, for a missing, incomplete, corrupt or mismatched checkpoint."""
     from ..runtime.watchdog import generous
-    from .loading import load as _load
+    from .load_protocol import load as _load
 
     flush(engine)  # a save in flight is published (and its snapshot done) before the state changes
     with generous("checkpoint load"):  # ranks wait for the slowest hasher
-        return _load(engine, directory, tag=tag, verify=verify)
+        return _load(engine.checkpoint_view(), directory, tag=tag, verify=verify)
 
 
 def verify_checkpoint(path, tag: str | None = None) -> dict:

@@ -26,8 +26,8 @@ import threading
 import time
 
 from ..runtime.fileio import atomic_write, fsync_path
-from . import format as fmt
-from .format import CheckpointError
+from . import manifest_json, naming
+from .errors import CheckpointError
 
 OWNER = ".owner"
 OTHER_HOST_S = 6 * 3600  # a save on another host is taken for dead after this long
@@ -44,7 +44,7 @@ def publish(directory: str, tmp: str, tag: str) -> str:
     final = os.path.join(directory, tag)
     old = None
     if os.path.lexists(final):
-        old = os.path.join(directory, f"{fmt.OLD_PREFIX}{tag}-{secrets.token_hex(4)}")
+        old = os.path.join(directory, f"{naming.OLD_PREFIX}{tag}-{secrets.token_hex(4)}")
         os.rename(final, old)
         fsync_path(directory)
     os.rename(tmp, final)
@@ -56,7 +56,7 @@ def publish(directory: str, tmp: str, tag: str) -> str:
 
 
 def write_latest(directory: str, tag: str) -> None:
-    atomic_write(os.path.join(directory, fmt.LATEST), tag + "\n")
+    atomic_write(os.path.join(directory, naming.LATEST), tag + "\n")
 
 
 def mark_owner(tmp: str) -> None:
@@ -90,9 +90,9 @@ def cleanup(directory: str) -> None:
     temporary directories whose owner is gone, never another live job's save in progress."""
     for entry in os.listdir(directory):
         p = os.path.join(directory, entry)
-        if entry.startswith((fmt.TMP_PREFIX, fmt.OLD_PREFIX)) and os.path.isdir(p) and _owner_gone(p):
+        if entry.startswith((naming.TMP_PREFIX, naming.OLD_PREFIX)) and os.path.isdir(p) and _owner_gone(p):
             shutil.rmtree(p, ignore_errors=True)
-        elif entry.startswith(f".{fmt.LATEST}.") and os.path.isfile(p) and _latest_tmp_gone(entry, p):
+        elif entry.startswith(f".{naming.LATEST}.") and os.path.isfile(p) and _latest_tmp_gone(entry, p):
             try:
                 os.unlink(p)
             except OSError:
@@ -105,7 +105,7 @@ def _latest_tmp_gone(entry: str, path: str) -> bool:
     (another host, or an older name without the owner) when it is older than 10 min."""
     from ..runtime.rundir import identity, start_time
 
-    m = re.match(rf"^\.{fmt.LATEST}\.(.+)-(\d+)\.[^.]+\.tmp$", entry)
+    m = re.match(rf"^\.{naming.LATEST}\.(.+)-(\d+)\.[^.]+\.tmp$", entry)
     if m and m.group(1) == identity()["host"] and start_time(int(m.group(2))) is None:
         return True
     try:
@@ -117,8 +117,8 @@ def _latest_tmp_gone(entry: str, path: str) -> bool:
 def _created(path: str) -> int | None:
     """Creation stamp of a complete checkpoint directory, None if it is not one."""
     try:
-        with open(os.path.join(path, fmt.MANIFEST), "rb") as f:
-            return int(fmt.unseal(f.read(), path)["created_ns"])
+        with open(os.path.join(path, naming.MANIFEST), "rb") as f:
+            return int(manifest_json.unseal(f.read(), path)["created_ns"])
     except (OSError, CheckpointError, KeyError, ValueError, TypeError):
         return None
 
@@ -149,7 +149,7 @@ def rotate(directory: str, keep_last: int, current: str, background: bool = Fals
     for t in doomed:
         # Rename first: a crash mid-delete leaves a hidden dir that cleanup() removes,
         # never a half-deleted checkpoint under a visible tag.
-        aside = os.path.join(directory, f"{fmt.TMP_PREFIX}rm-{t}-{secrets.token_hex(4)}")
+        aside = os.path.join(directory, f"{naming.TMP_PREFIX}rm-{t}-{secrets.token_hex(4)}")
         os.rename(os.path.join(directory, t), aside)
         if background:
             threading.Thread(target=shutil.rmtree, args=(aside, True), name="zerompi-rotate").start()
@@ -160,7 +160,7 @@ def rotate(directory: str, keep_last: int, current: str, background: bool = Fals
 
 def read_latest(directory: str) -> str | None:
     """The tag in DIR/latest; None when there is no such file; CheckpointError if garbage."""
-    path = os.path.join(directory, fmt.LATEST)
+    path = os.path.join(directory, naming.LATEST)
     try:
         with open(path, "rb") as f:
             raw = f.read(4096)
@@ -169,7 +169,7 @@ def read_latest(directory: str) -> str | None:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
     try:
-        return fmt.check_tag(raw.decode("utf-8").strip())
+        return naming.check_tag(raw.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(f"{path}: does not name a checkpoint tag "
                               f"(content {raw[:60]!r}); pass tag= (python -m zerompi.train: --resume_from TAG)") from None
@@ -181,28 +181,28 @@ def resolve(path: str, tag: str | None = None) -> str | None:
     `path` is DIR (then `tag`, or else DIR/latest, picks the checkpoint) or a checkpoint
     directory DIR/TAG itself. None when DIR holds no checkpoint at all (fresh start)."""
     path = os.path.abspath(os.fspath(path))
-    if tag is None and os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+    if tag is None and os.path.isfile(os.path.join(path, naming.MANIFEST)):
         return path
     if tag is None:
         if not os.path.isdir(path):
             return None
         tag = read_latest(path)
         if tag is None:
-            if any(os.path.isfile(os.path.join(path, e, fmt.MANIFEST)) for e in os.listdir(path)
+            if any(os.path.isfile(os.path.join(path, e, naming.MANIFEST)) for e in os.listdir(path)
                    if not e.startswith(".")):
-                raise CheckpointError(f"{os.path.join(path, fmt.LATEST)}: missing, but {path} "
+                raise CheckpointError(f"{os.path.join(path, naming.LATEST)}: missing, but {path} "
                                       "holds checkpoints; pass tag= (python -m zerompi.train: --resume_from TAG)")
             return None
-        where = f"{os.path.join(path, fmt.LATEST)} names {tag!r}, but"
+        where = f"{os.path.join(path, naming.LATEST)} names {tag!r}, but"
     else:
-        fmt.check_tag(tag)
+        naming.check_tag(tag)
         where = "checkpoint"
     final = os.path.join(path, tag)
     if os.path.isdir(final):
         return final
     # Interrupted replacement of TAG: the previous TAG sits aside, complete.
     aside = [(s, p) for p in (os.path.join(path, e) for e in _listdir(path)
-                              if e.startswith(f"{fmt.OLD_PREFIX}{tag}-"))
+                              if e.startswith(f"{naming.OLD_PREFIX}{tag}-"))
              if (s := _created(p)) is not None]
     if aside:
         return max(aside)[1]

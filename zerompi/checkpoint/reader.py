@@ -15,8 +15,8 @@ import os
 import h5py
 import numpy as np
 
-from . import format as fmt
-from .format import CheckpointError
+from . import naming
+from .errors import CheckpointError
 
 
 class PieceReader:
@@ -54,11 +54,11 @@ class PieceReader:
             end = min(hi, phi)
             path = self._names[r]
             try:
-                dset = self.file(r)[f"{fmt.STATE_GROUP}/{kind}"]
+                dset = self.file(r)[f"{naming.STATE_GROUP}/{kind}"]
                 a = off + pos - plo
                 dset.read_direct(out, np.s_[a:a + end - pos], np.s_[pos - lo:end - lo])
             except KeyError:
-                raise CheckpointError(f"{os.path.join(self.ckpt, path)}: no /{fmt.STATE_GROUP}/{kind} "
+                raise CheckpointError(f"{os.path.join(self.ckpt, path)}: no /{naming.STATE_GROUP}/{kind} "
                                       f"(tensor {name})") from None
             except (OSError, ValueError, TypeError) as e:
                 raise CheckpointError(f"{os.path.join(self.ckpt, path)}: reading {kind} of {name} failed ({e})") from None
@@ -73,7 +73,7 @@ class PieceReader:
     def module_tensor(self, name: str) -> np.ndarray:
         t = self.manifest["module_tensors"][name]
         try:
-            return self.file(0)[f"{fmt.MODULE_GROUP}/{t['link']}"][()]
+            return self.file(0)[f"{naming.MODULE_GROUP}/{t['link']}"][()]
         except KeyError:
             raise CheckpointError(f"{os.path.join(self.ckpt, self._names[0])}: no module tensor {name}") from None
 

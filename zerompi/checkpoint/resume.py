@@ -24,8 +24,8 @@ import os
 from .. import runtime
 from ..runtime import JobError
 from . import directory as dirs
-from . import format as fmt
-from .format import CheckpointError
+from . import naming
+from .errors import CheckpointError
 from ..runtime.console import say
 
 HYPER = ("betas", "eps", "weight_decay")
@@ -40,10 +40,10 @@ def candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
     if resume_from:
         paths = (resume_from, os.path.join(ckpt_dir, resume_from))
         for path in paths:
-            if os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+            if os.path.isfile(os.path.join(path, naming.MANIFEST)):
                 return [os.path.abspath(path)], []
         for path in paths:
-            if os.path.isdir(path) and not os.path.exists(os.path.join(path, fmt.LATEST)):
+            if os.path.isdir(path) and not os.path.exists(os.path.join(path, naming.LATEST)):
                 raise ResumeError(f"--resume_from {resume_from}: {_no_manifest(path)}")
         tags = [t for _, t in dirs.list_checkpoints(ckpt_dir)] if os.path.isdir(ckpt_dir) else []
         raise ResumeError(f"--resume_from {resume_from}: no checkpoint there nor in {ckpt_dir} "
@@ -65,18 +65,19 @@ def candidates(ckpt_dir: str, resume_from: str) -> tuple[list[str], list[str]]:
 
 
 def _no_manifest(path: str) -> str:
-    return (f"{os.path.join(path, fmt.MANIFEST)}: missing (not a complete zerompi checkpoint: "
+    return (f"{os.path.join(path, naming.MANIFEST)}: missing (not a complete zerompi checkpoint: "
             "damaged, or a save that never finished)")
 
 
-def _hyper(engine) -> list[dict]:
+def _hyper(view) -> list[dict]:
     return [{k: (tuple(float(x) for x in g[k]) if k == "betas" else float(g[k])) for k in HYPER}
-            for g in engine.param_groups]
+            for g in view.param_groups]
 
 
 def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: bool = False) -> dict | None:
     """Load the checkpoint to resume from into `engine` (collective over `world`, which
     must hold every rank of the engine); returns its client_state, or None for a fresh run."""
+    view = engine.checkpoint_view()
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     found, err = ([], []), None
     if world.rank == 0:
@@ -94,13 +95,13 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
         say(f"no checkpoint in {ckpt_dir}: starting a FRESH run at step 0", rank=world.rank)
         return None
 
-    wanted = _hyper(engine)
+    wanted = _hyper(view)
     for i, path in enumerate(paths):
         # Rank 0 chose it; a rank that cannot even see it points at the filesystem. When
         # rank 0 cannot either, the directory has no manifest: damaged, or a save that
         # never finished, to be skipped like any other damage.
         blind = [r for r, _, _ in runtime.agree(
-            world, None if os.path.isfile(os.path.join(path, fmt.MANIFEST)) else "blind")]
+            world, None if os.path.isfile(os.path.join(path, naming.MANIFEST)) else "blind")]
         if blind and blind[0] != 0:
             raise ResumeError(f"rank{'s' if len(blind) > 1 else ''} {', '.join(map(str, blind))} cannot see "
                               f"checkpoint {path}, which rank 0 chose: is the run directory on a "
@@ -108,7 +109,7 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
         try:
             if blind:
                 raise CheckpointError(_no_manifest(path))
-            client = engine.load_checkpoint(path)
+            client = view.load_checkpoint(path)
         except CheckpointError as e:
             if resume_from:
                 raise ResumeError(f"--resume_from {resume_from}: {e}") from None
@@ -117,14 +118,14 @@ def resume(engine, world, ckpt_dir, resume_from: str = "", override_optimizer: b
         if i > 0:
             say(f"WARNING: RESUMING FROM AN OLDER CHECKPOINT, {path}: the newer ones above "
                 "failed verification (pass --resume_from TAG|PATH to choose another)", rank=world.rank)
-        _check_optimizer(engine, world, wanted, override_optimizer)
+        _check_optimizer(view, world, wanted, override_optimizer)
         return client
     raise ResumeError(f"no checkpoint in {ckpt_dir} verifies (each is listed above); start fresh with "
                       "--resume false or another --run_dir, or repair one")
 
 
-def _check_optimizer(engine, world, wanted: list[dict], override: bool) -> None:
-    saved = _hyper(engine)  # the checkpoint's, now installed
+def _check_optimizer(view, world, wanted: list[dict], override: bool) -> None:
+    saved = _hyper(view)  # the checkpoint's, now installed
     diffs = [(gi, k, s[k], w[k]) for gi, (s, w) in enumerate(zip(saved, wanted)) for k in HYPER if s[k] != w[k]]
     if len(saved) != len(wanted):
         diffs.append((None, "param groups", len(saved), len(wanted)))
@@ -136,6 +137,6 @@ def _check_optimizer(engine, world, wanted: list[dict], override: bool) -> None:
         raise ResumeError(f"the config changes optimizer hyper-parameters of the checkpoint ({text} "
                           "[zero.optimizer.*]); pass --override_optimizer true to train on with the "
                           "config's values, or restore them")
-    for g, w in zip(engine.param_groups, wanted):
+    for g, w in zip(view.param_groups, wanted):
         g.update({k: (tuple(w[k]) if k == "betas" else w[k]) for k in HYPER})
     say(f"override_optimizer: using the config's optimizer hyper-parameters: {text}", rank=world.rank)

@@ -7,7 +7,7 @@ every node and fails only at the first save, each node writing into its own copy
 0 would then publish a checkpoint whose rank files lie on other nodes' disks, or die
 on a missing directory with a message about a file. Here the first save asks instead:
 
-1. rank 0 has created the save's temporary directory (saving.py) and every rank knows
+1. rank 0 has created the save's temporary directory (save_protocol.py) and every rank knows
    its name; the first rank of each node looks for it, waiting up to SEE_S for a
    network file system's directory cache, and if it sees it, writes a marker
    `.node-<i>` there;

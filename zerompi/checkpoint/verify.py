@@ -1,6 +1,6 @@
 """Checks that make a damaged checkpoint fail loudly instead of loading zeros.
 
-- the manifest parses and its own checksum matches (format.unseal);
+- the manifest parses and its own checksum matches (manifest_json.unseal);
 - every listed file exists with the recorded size and checksum (CRC-32 per 64 MiB block;
   sha256 in older checkpoints);
 - the pieces of every tensor tile [0, numel) exactly (no gap, no overlap);
@@ -14,12 +14,12 @@ import os
 
 import numpy as np
 
-from . import format as fmt
-from .format import CheckpointError
+from . import checksums, manifest_json, naming
+from .errors import CheckpointError
 
 
 def read_manifest(ckpt: str) -> dict:
-    path = os.path.join(ckpt, fmt.MANIFEST)
+    path = os.path.join(ckpt, naming.MANIFEST)
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -27,7 +27,7 @@ def read_manifest(ckpt: str) -> dict:
         raise CheckpointError(f"{path}: missing (not a complete zerompi checkpoint)") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
-    m = fmt.unseal(text, path)
+    m = manifest_json.unseal(text, path)
     for key in ("tag", "world_size", "kinds", "tensors", "files", "index", "counters", "created_ns"):
         if key not in m:
             raise CheckpointError(f"{path}: no {key!r} entry")
@@ -51,7 +51,7 @@ def tensors_in(manifest: dict, fname: str, limit: int = 4) -> str:
 
 def file_list(manifest: dict) -> list[tuple[str, dict]]:
     """(name, {size, sha256, ...}) of every file in the checkpoint, index.h5 last."""
-    return sorted(manifest["files"].items()) + [(fmt.INDEX, manifest["index"])]
+    return sorted(manifest["files"].items()) + [(naming.INDEX, manifest["index"])]
 
 
 def check_files(ckpt: str, manifest: dict, hash_share: tuple[int, int] | None = (0, 1),
@@ -76,7 +76,7 @@ def check_files(ckpt: str, manifest: dict, hash_share: tuple[int, int] | None = 
             continue
         if hash_share is not None and i % hash_share[1] == hash_share[0]:
             try:
-                ok, algo = fmt.file_matches(path, info, threads or fmt.hash_threads(hash_share[1]))
+                ok, algo = checksums.file_matches(path, info, threads or checksums.hash_threads(hash_share[1]))
             except OSError as e:
                 errors.append(f"{path}: cannot read ({e})")
                 continue
@@ -93,7 +93,7 @@ def check_coverage(manifest: dict) -> list[str]:
         pos = 0
         for r, lo, hi, _ in sorted(t["pieces"], key=lambda p: p[1]):
             if r not in ranks:
-                errors.append(f"tensor {name}: piece [{lo}, {hi}) in {fmt.rank_file(r)}, which is not listed")
+                errors.append(f"tensor {name}: piece [{lo}, {hi}) in {naming.rank_file(r)}, which is not listed")
             if lo != pos:
                 errors.append(f"tensor {name}: elements [{min(pos, lo)}, {max(pos, lo)}) "
                               f"{'missing' if lo > pos else 'stored twice'}")
@@ -136,9 +136,9 @@ def check_structure(ckpt: str, manifest: dict) -> list[str]:
         try:
             with h5py.File(path, "r", locking=False) as f:
                 for kind in manifest["kinds"]:
-                    n = f[f"{fmt.STATE_GROUP}/{kind}"].shape[0]
+                    n = f[f"{naming.STATE_GROUP}/{kind}"].shape[0]
                     if n != info["elements"]:
-                        errors.append(f"{path}: /{fmt.STATE_GROUP}/{kind} has {n} values, expected {info['elements']}")
+                        errors.append(f"{path}: /{naming.STATE_GROUP}/{kind} has {n} values, expected {info['elements']}")
         except (OSError, KeyError) as e:
             errors.append(f"{path}: unreadable HDF5 ({e})")
     return errors

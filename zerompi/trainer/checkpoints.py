@@ -17,7 +17,7 @@ import time
 
 from .. import runtime
 from ..checkpoint import flush, poll, save
-from ..checkpoint.async_save import saver_of
+from ..checkpoint.background.saver import saver_of
 from ..checkpoint.resume import ResumeError
 from ..models.arch import ARCHITECTURE, record
 from ..runtime.console import say
@@ -28,7 +28,7 @@ class TrainCheckpoints:
         self.engine, self.dir, self.cfg, self.note = engine, ckpt_dir, cfg, note
         self.published: list[dict] = []
         if cfg.checkpoint.async_save:   # staging buffer and writer ready before the first step
-            saver_of(engine, cfg.checkpoint.writer).prepare()
+            saver_of(engine.checkpoint_view(), cfg.checkpoint.writer).prepare()
 
     def save(self, step: int, client_state: dict, final: bool) -> None:
         """Collective. keep_last rotates old checkpoints once the new one is in place,
@@ -57,7 +57,7 @@ class TrainCheckpoints:
         self._collect()
 
     def _collect(self) -> None:
-        saver = getattr(self.engine, "_async_saver", None)
+        saver = self.engine.checkpoint_view().saver
         # a save that had to wait published the one before it itself: collect every one
         for rec in (saver.drain() if saver is not None else []):
             self._published(rec, background=True)

@@ -33,6 +33,7 @@ from . import groups as groups_mod
 from . import layout as layout_mod
 from . import offload as offload_mod
 from .layout import PARTS
+from .checkpoint_view import CheckpointView
 from .params import sync_untracked
 from .tensor_parallel_state import TPGrads, assemble_full
 
@@ -110,7 +111,7 @@ class ZeroEngine(calls.EngineFace):
                             and getattr(self.optimizer, "takes_device_coef", False))
         self._pending: step_coef.Pending | None = None
         self._backward_pending = False
-        self._state_fence = None  # an asynchronous checkpoint still copying the state (checkpoint/staging.py)
+        self._checkpoint = CheckpointView(self)  # what a checkpoint reads and sets (zero/checkpoint_view.py)
         runtime.seed_everything(cfg.seed, self.rank)
         runtime.release_free_memory()
         watchdog.watch_engine(self)  # deadlines from cfg.comm; names the step on expiry
@@ -264,7 +265,7 @@ class ZeroEngine(calls.EngineFace):
 
     def _fence_state(self) -> None:
         """Before master or moments change: wait for an async checkpoint's snapshot."""
-        fence, self._state_fence = self._state_fence, None
+        fence = self._checkpoint.take_fence()
         if fence is not None:
             fence()
 
@@ -356,7 +357,9 @@ class ZeroEngine(calls.EngineFace):
         return rep
 
     # ------------------------------------------------------------------ checkpoints
-    STATE_KINDS = state_io.STATE_KINDS
+    def checkpoint_view(self) -> CheckpointView:
+        """The one object zerompi/checkpoint/ reads and sets this engine through."""
+        return self._checkpoint
 
     @calls.collective("save_checkpoint", generous="checkpoint save")
     def save_checkpoint(self, directory, tag: str | None = None, client_state: dict | None = None,
@@ -384,9 +387,6 @@ class ZeroEngine(calls.EngineFace):
 
     def exported_elements(self) -> int:
         return state_io.exported_elements(self)
-
-    def needed_pieces(self) -> list[tuple[str, tuple, int, int]]:
-        return state_io.needed_pieces(self)
 
     def import_state(self, fetch, steps: dict, param_groups: list, scaler: dict, counters: dict) -> None:
         offload_mod.settle(self, write=True)

@@ -21,29 +21,29 @@ import random
 import numpy as np
 import torch
 
-from . import format as fmt
-from .rankfile import (ALIGN as _ALIGN, CHUNK as _CHUNK, H5_ALIGNMENT, IN_FLIGHT as _IN_FLIGHT, Writer,
+from . import hdf5, naming
+from .rankfile_h5 import (ALIGN as _ALIGN, CHUNK as _CHUNK, H5_ALIGNMENT, IN_FLIGHT as _IN_FLIGHT, Writer,
                        aligned as _aligned, alloc_raw, module_entry, open_direct, write_structure)
 
 
-def model_tensors(engine) -> list[tuple[str, tuple]]:
+def model_tensors(view) -> list[tuple[str, tuple]]:
     """(name, full shape) of every trainable parameter, in model registration order (the
     one place to adapt if an engine's parameters stop carrying their full shape)."""
     from ..parallel.tp_layout import full_shape
 
-    shapes = {n: full_shape(p) for n, p in zip(engine.param_names, engine.params)}
-    return [(n, shapes[n]) for n, _ in engine.module.named_parameters() if n in shapes]
+    shapes = {n: full_shape(p) for n, p in zip(view.param_names, view.params)}
+    return [(n, shapes[n]) for n, _ in view.module.named_parameters() if n in shapes]
 
 
-def module_tensors(engine) -> list[tuple[str, torch.Tensor, str]]:
+def module_tensors(view) -> list[tuple[str, torch.Tensor, str]]:
     """(name, tensor, 'frozen'|'buffer') for state the optimizer does not own: frozen
     parameters and persistent buffers (BatchNorm statistics and the like)."""
-    trained = {id(p) for p in engine.params}
+    trained = {id(p) for p in view.params}
     out = []
-    for name, p in engine.module.named_parameters(remove_duplicate=True):
+    for name, p in view.module.named_parameters(remove_duplicate=True):
         if id(p) not in trained:
             out.append((name, p.detach(), "frozen"))
-    for name, b in engine.module.state_dict(keep_vars=True).items():
+    for name, b in view.module.state_dict(keep_vars=True).items():
         if not isinstance(b, torch.nn.Parameter) and isinstance(b, torch.Tensor):
             out.append((name, b.detach(), "buffer"))
     return out
@@ -68,7 +68,7 @@ def _rng_state() -> dict:
 
 def _stream(path: str, plan: list[tuple], names: list[str]) -> tuple[str, int]:
     """Write each dataset's pieces at its file offset from the engine's buffers and fsync;
-    returns the file's (digest, size), as format.digest_file computes it, checksummed
+    returns the file's (digest, size), as checksums.digest_file computes it, checksummed
     from memory as the bytes are written (the bytes HDF5 wrote are read back, in order).
 
     plan: (file offset, kind, pieces, bytes, stored dtype) per dataset. Every fp32 value
@@ -155,22 +155,22 @@ def _stream(path: str, plan: list[tuple], names: list[str]) -> tuple[str, int]:
     return digest, size
 
 
-def rank_file_bytes(engine, lowp: str | None) -> int:
+def rank_file_bytes(view, lowp: str | None) -> int:
     """About how many bytes this rank's file takes (for out-of-space messages)."""
-    elements = engine.exported_elements()
-    extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(engine)) if engine.dims.world.rank == 0 else 0
-    return elements * (4 * len(engine.STATE_KINDS) + (2 if lowp else 0)) + extra + (1 << 16)
+    elements = view.exported_elements()
+    extra = sum(t.numel() * t.element_size() for _, t, _ in module_tensors(view)) if view.dims.world.rank == 0 else 0
+    return elements * (4 * len(view.state_kinds) + (2 if lowp else 0)) + extra + (1 << 16)
 
 
-def header_of(engine, tag: str, state: dict) -> dict:
-    """rankfile.write_structure's header for export_state's `state`, taken now (the RNG
+def header_of(view, tag: str, state: dict) -> dict:
+    """rankfile_h5.write_structure's header for export_state's `state`, taken now (the RNG
     states too): the pieces with their offsets into the state vectors."""
     pieces, off = [], 0
     for name, shape, lo, hi in state["pieces"]:
         pieces.append((name, [int(d) for d in shape], int(lo), int(hi), off))
         off += int(hi) - int(lo)
-    attrs = {"format": fmt.FORMAT, "format_version": fmt.VERSION, "rank": engine.dims.world.rank,
-             "world_size": engine.dims.world.size, "tag": tag,
+    attrs = {"format": naming.FORMAT, "format_version": naming.VERSION, "rank": view.dims.world.rank,
+             "world_size": view.dims.world.size, "tag": tag,
              "scaler": json.dumps(state["scaler"]), "counters": json.dumps(state["counters"])}
     return {"attrs": attrs, "pieces": pieces, "elements": off, "rng": _rng_state(),
             "steps": json.dumps({k: int(v) for k, v in state["steps"].items()}),
@@ -178,29 +178,29 @@ def header_of(engine, tag: str, state: dict) -> dict:
             "summary": {"counters": dict(state["counters"]), "scaler": dict(state["scaler"])}}
 
 
-def storable_module(engine) -> list[tuple[str, np.ndarray, str, str]]:
-    """rankfile.write_structure's module list: rank 0's frozen parameters and buffers."""
-    if engine.dims.world.rank != 0:
+def storable_module(view) -> list[tuple[str, np.ndarray, str, str]]:
+    """rankfile_h5.write_structure's module list: rank 0's frozen parameters and buffers."""
+    if view.dims.world.rank != 0:
         return []
-    return [(name, _storable(t), str(t.dtype).replace("torch.", ""), role) for name, t, role in module_tensors(engine)]
+    return [(name, _storable(t), str(t.dtype).replace("torch.", ""), role) for name, t, role in module_tensors(view)]
 
 
-def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
+def write_rank_file(path: str, view, tag: str, lowp: str | None) -> dict:
     """Write and fsync this rank's file. Returns what the manifest needs:
     {"pieces": [(name, shape, lo, hi, offset)], "elements": n, "module": {...},
-    "digest": format.digest_file's value, "size": bytes}.
+    "digest": checksums.digest_file's value, "size": bytes}.
 
     HDF5 writes the structure (piece table, attributes, RNG, module tensors) and
     allocates the state datasets contiguously; after it closes the file, the state's
     bytes go to those offsets with pwrite (_stream), checksummed from memory as they go."""
     import h5py
 
-    state = engine.export_state(views=True)
-    header = header_of(engine, tag, state)
-    off, module, plan = header["elements"], storable_module(engine), []
-    with h5py.File(path, "w", libver=fmt.LIBVER, locking=False, **H5_ALIGNMENT) as f:
+    state = view.export_state(views=True)
+    header = header_of(view, tag, state)
+    off, module, plan = header["elements"], storable_module(view), []
+    with h5py.File(path, "w", libver=hdf5.LIBVER, locking=False, **H5_ALIGNMENT) as f:
         write_structure(f, header, module)
-        g = f.create_group(fmt.STATE_GROUP)
+        g = f.create_group(naming.STATE_GROUP)
         for kind, ts in state["tensors"].items():
             ts = [t.to(torch.float32) for t in ts]
             if sum(t.numel() for t in ts) != off:
@@ -212,7 +212,7 @@ def write_rank_file(path: str, engine, tag: str, lowp: str | None) -> dict:
                 plan.append((base, kind, ts, 4 * off, torch.float32))
             if kind == "param" and lowp:
                 # Rounded like the engine's own fp32 -> bf16/fp16 working copy (round to nearest).
-                base = alloc_raw(g, lowp, off, fmt.lowp_h5type(lowp))
+                base = alloc_raw(g, lowp, off, hdf5.lowp_h5type(lowp))
                 if base is not None:
                     plan.append((base, lowp, ts, 2 * off, torch.bfloat16 if lowp == "param_bf16" else torch.float16))
     digest, size = _stream(path, plan, [p[0] for p in header["pieces"]])

@@ -4,8 +4,8 @@
 2. rank 0 creates DIR/.tmp-TAG-<random> and tells every rank its name; at the first save of a
    multi-node job, every node must see it (shared.py: else one message, nothing left);
 3. each rank writes rank-XXXXX.h5, checksumming its bytes from memory as they are
-   written (writer._stream, or rankfile.write_staged from a snapshot: CRC-32 per 64 MiB
-   block, as format.digest_file computes), and fsyncs it;
+   written (rankfile_engine._stream, or rankfile_h5.write_staged from a snapshot: CRC-32 per 64 MiB
+   block, as checksums.digest_file computes), and fsyncs it;
 4. the ranks agree on errors, then exchange piece tables (this is the barrier: every
    file is durable);
 5. rank 0 writes index.h5 and manifest.json (fsynced), fsyncs the directory, renames it
@@ -13,11 +13,11 @@
    saves and applies keep_last; the ranks agree on its outcome, so all of them return
    or raise together.
 
-An asynchronous save (async_save.py) runs steps 1-2 (start) when it is requested, step 3
+An asynchronous save (background/saver.py) runs steps 1-2 (start) when it is requested, step 3
 from a snapshot in the background, and steps 4-5 (finish) on the training thread once
 every rank's write has finished: the same protocol, the same messages.
 
-Every error agreement is format.raise_agreed (zerompi.runtime.agree underneath): the
+Every error agreement is errors.raise_agreed (zerompi.runtime.agree underneath): the
 message names the rank and the file; bad arguments keep TypeError/ValueError, anything
 else is CheckpointError.
 """
@@ -38,23 +38,23 @@ import torch
 from .. import runtime
 from ..optim import schedulers
 from . import directory as dirs
-from . import format as fmt
-from .format import CheckpointError
+from . import manifest_json, naming
+from .errors import CheckpointError, raise_agreed
 from .index import write_metadata
 from .shared import check_once as check_shared_once
 from .verify import check_coverage
-from .writer import model_tensors, rank_file_bytes, write_rank_file
+from .rankfile_engine import model_tensors, rank_file_bytes, write_rank_file
 
 _PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp: str | None,
+def _build_manifest(view, tag: str, infos: list[dict], client_json: str, lowp: str | None,
                     sched_json: str | None = None) -> dict:
     from ..version import __version__
     from ..config import to_dict
 
-    tensors = {name: {"shape": list(shape), "link": fmt.link_name(name), "pieces": []}
-               for name, shape in model_tensors(engine)}
+    tensors = {name: {"shape": list(shape), "link": naming.link_name(name), "pieces": []}
+               for name, shape in model_tensors(view)}
     for r, info in enumerate(infos):
         for name, shape, lo, hi, off in info["pieces"]:
             tensors[name]["pieces"].append([r, lo, hi, off])
@@ -62,24 +62,24 @@ def _build_manifest(engine, tag: str, infos: list[dict], client_json: str, lowp:
         t["pieces"].sort(key=lambda p: p[1])
     # Tied parameters are stored once under their first name; record the other names.
     first, aliases = {}, {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    for name, p in view.module.named_parameters(remove_duplicate=False):
         if id(p) in first and first[id(p)] != name:
             aliases[name] = first[id(p)]
         first.setdefault(id(p), name)
-    files = {fmt.rank_file(r): {"rank": r, "size": i["size"], "digest": i["digest"],
+    files = {naming.rank_file(r): {"rank": r, "size": i["size"], "digest": i["digest"],
                                 "elements": i["elements"]} for r, i in enumerate(infos)}
-    cfg = engine.config
+    cfg = view.config
     return {
-        "format": fmt.FORMAT, "format_version": fmt.VERSION, "tag": tag,
+        "format": naming.FORMAT, "format_version": naming.VERSION, "tag": tag,
         "created_ns": time.time_ns(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # str(): torch's TorchVersion, pickled to the background writer, would import torch there
         "zerompi_version": __version__, "torch_version": str(torch.__version__),
         "h5py_version": h5py.version.version, "hdf5_version": h5py.version.hdf5_version,
         "python_version": platform.python_version(),
-        "world_size": engine.dims.world.size,
-        "tensor_parallel_size": engine.dims.tp_size, "stage": cfg.stage, "precision": cfg.precision,
-        "param_dtype": str(engine.dtype).replace("torch.", ""), "state_dtype": "float32",
-        "kinds": list(engine.STATE_KINDS), "lowp_kind": lowp,
+        "world_size": view.dims.world.size,
+        "tensor_parallel_size": view.dims.tp_size, "stage": cfg.stage, "precision": cfg.precision,
+        "param_dtype": str(view.dtype).replace("torch.", ""), "state_dtype": "float32",
+        "kinds": list(view.state_kinds), "lowp_kind": lowp,
         "counters": infos[0]["counters"], "scaler": infos[0]["scaler"],
         "config": to_dict(cfg),
         "tensors": tensors, "module_tensors": infos[0]["module"], "aliases": aliases,
@@ -104,30 +104,30 @@ def space_hint(e: Exception, path: str, need: int, world: int) -> str:
             f"{world} rank files about {world * need / 2**20:.1f} MiB{free})")
 
 
-def write_error(e: Exception, path: str, engine, lowp: str | None) -> str:
+def write_error(e: Exception, path: str, view, lowp: str | None) -> str:
     """The one message for a rank file that could not be written; the partial file is
     removed at once, to give the space back."""
     try:
         os.unlink(path)
     except OSError:
         pass
-    hint = space_hint(e, path, rank_file_bytes(engine, lowp), engine.dims.world.size)
+    hint = space_hint(e, path, rank_file_bytes(view, lowp), view.dims.world.size)
     name = getattr(e, "kind", type(e).__name__)   # a helper process's error: its own class name
     return f"{path}: {name}: {e}" + hint
 
 
-def start(engine, directory, tag: str | None, client_state: dict | None, keep_last: int | None) -> dict:
+def start(view, directory, tag: str | None, client_state: dict | None, keep_last: int | None) -> dict:
     """Steps 1-2 (collective, one exchange): every rank checks the arguments, rank 0 (if
     its own are fine) makes the temporary directory; all learn every rank's problems and
     rank 0's directory together. Returns what step 5 (finish) needs."""
-    comm = engine.dims.world
+    comm = view.dims.world
     directory = os.path.abspath(os.fspath(directory))
     err, client_json, sched_json = None, None, None
     try:
-        client_json = fmt.client_state_json(client_state)
-        engine.settle()  # a step decided on the device steps the scheduler when read
-        sched_json = schedulers.state_json(engine)
-        tag = fmt.check_tag(f"step-{engine.global_steps}" if tag is None else tag)
+        client_json = manifest_json.client_state_json(client_state)
+        view.settle()  # a step decided on the device steps the scheduler when read
+        sched_json = schedulers.state_json(view)
+        tag = naming.check_tag(f"step-{view.global_steps}" if tag is None else tag)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r}: must be a positive int or None")
     except (TypeError, ValueError) as e:
@@ -136,7 +136,7 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
     if comm.rank == 0 and err is None:
         try:
             os.makedirs(directory, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f"{fmt.TMP_PREFIX}{tag}-", dir=directory)
+            tmp = tempfile.mkdtemp(prefix=f"{naming.TMP_PREFIX}{tag}-", dir=directory)
             dirs.mark_owner(tmp)
             umask = os.umask(0o022)
             os.umask(umask)
@@ -152,19 +152,19 @@ def start(engine, directory, tag: str | None, client_state: dict | None, keep_la
     _, tmp, tag, dir_err = everyone[0]   # rank 0's directory and tag, should the ranks' tags differ
     runtime.raise_found(runtime.merged([runtime.as_items(dir_err)]), 1,
                         f"save_checkpoint to {os.path.join(directory, tag)}", CheckpointError)
-    check_shared_once(engine.dims, directory, tmp)  # first save of a multi-node job: all nodes see it
+    check_shared_once(view.dims, directory, tmp)  # first save of a multi-node job: all nodes see it
     return {"directory": directory, "tmp": tmp, "tag": tag, "target": os.path.join(directory, tag),
             "client_json": client_json, "sched_json": sched_json, "keep_last": keep_last,
-            "lowp": fmt.lowp_kind(engine.config.precision),
-            "path": os.path.join(tmp, fmt.rank_file(comm.rank))}
+            "lowp": naming.lowp_kind(view.config.precision),
+            "path": os.path.join(tmp, naming.rank_file(comm.rank))}
 
 
-def agree_written(engine, s: dict, info: dict | None, err: str | None, all_done: bool = False) -> list[dict]:
+def agree_written(view, s: dict, info: dict | None, err: str | None, all_done: bool = False) -> list[dict]:
     """Step 4 (collective, one exchange), once every rank wrote its file (info) or failed
     (err): on any failure rank 0 removes the temporary directory and every rank raises;
     else every rank gets every rank's info (the piece tables: every file is durable from
     here on). all_done: every rank is known to have finished (an asynchronous save's poll)."""
-    comm = engine.dims.world
+    comm = view.dims.world
     if not all_done:
         comm.barrier(poll=True)  # sleep, not spin, while the slowest writer finishes (ranks > cores)
     mine = (runtime.as_items(err), info)
@@ -182,20 +182,20 @@ def agree_written(engine, s: dict, info: dict | None, err: str | None, all_done:
     return [e[1] for e in everyone]
 
 
-def manifest_of(engine, s: dict, infos: list[dict]) -> dict:
+def manifest_of(view, s: dict, infos: list[dict]) -> dict:
     """Rank 0: the manifest of the files written, checked: never publish what load would reject."""
-    manifest = _build_manifest(engine, s["tag"], infos, s["client_json"], s["lowp"], s.get("sched_json"))
+    manifest = _build_manifest(view, s["tag"], infos, s["client_json"], s["lowp"], s.get("sched_json"))
     gaps = check_coverage(manifest)
     if gaps:
         raise RuntimeError("exported pieces do not cover the model: " + "; ".join(gaps[:4]))
     return manifest
 
 
-def publish(engine, s: dict, err: str | None) -> str:
+def publish(view, s: dict, err: str | None) -> str:
     """Step 5's end (collective): rank 0 moves the finished temporary directory to DIR/TAG
     and rewrites DIR/latest, unless `err` (rank 0's index or manifest failed); the ranks
     agree on the outcome, so all of them return the path or raise together."""
-    comm, directory, target = engine.dims.world, s["directory"], s["target"]
+    comm, directory, target = view.dims.world, s["directory"], s["target"]
     if comm.rank == 0:
         if err is None:
             try:
@@ -211,28 +211,28 @@ def publish(engine, s: dict, err: str | None) -> str:
             except OSError as e:
                 warnings.warn(f"checkpoint {target} saved, but cleaning up {directory} failed: {e}")
     comm.barrier(poll=True)  # rank 0 publishes alone meanwhile
-    fmt.raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's outcome
+    raise_agreed(comm, err, f"save_checkpoint to {target}")  # rank 0's outcome
     return target
 
 
-def finish(engine, s: dict, info: dict | None, err: str | None) -> str:
+def finish(view, s: dict, info: dict | None, err: str | None) -> str:
     """Steps 4-5 of a synchronous save (collective)."""
-    infos = agree_written(engine, s, info, err)
+    infos = agree_written(view, s, info, err)
     err = None
-    if engine.dims.world.rank == 0:
+    if view.dims.world.rank == 0:
         try:
-            write_metadata(s["tmp"], manifest_of(engine, s, infos))
+            write_metadata(s["tmp"], manifest_of(view, s, infos))
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
-    return publish(engine, s, err)
+    return publish(view, s, err)
 
 
-def save(engine, directory, tag: str | None = None, client_state: dict | None = None,
+def save(view, directory, tag: str | None = None, client_state: dict | None = None,
          keep_last: int | None = None) -> str:
-    s = start(engine, directory, tag, client_state, keep_last)
+    s = start(view, directory, tag, client_state, keep_last)
     info = err = None
     try:
-        info = write_rank_file(s["path"], engine, s["tag"], s["lowp"])  # fsynced; with its digest and size
+        info = write_rank_file(s["path"], view, s["tag"], s["lowp"])  # fsynced; with its digest and size
     except Exception as e:  # disk full, permissions... : every rank must hear of it
-        err = write_error(e, s["path"], engine, s["lowp"])
-    return finish(engine, s, info, err)
+        err = write_error(e, s["path"], view, s["lowp"])
+    return finish(view, s, info, err)

@@ -3,11 +3,11 @@
 1. rank 0 finds the checkpoint (tag or DIR/latest) and broadcasts manifest.json;
 2. every rank checks all file sizes and hashes its share of the files (file i on rank
    i % M), checks piece coverage and that names/shapes match the model; the ranks
-   agree on their findings (format.raise_agreed), so either all continue or all raise
+   agree on their findings (errors.raise_agreed), so either all continue or all raise
    CheckpointError, naming the rank and the file;
-3. every rank reads only the element ranges it owns now (engine.needed_pieces() via
+3. every rank reads only the element ranges it owns now (state_io.needed_pieces via
    fetch), from the rank files that hold them, straight into the engine's host buffers
-   (engine.import_state says where), then the working parameters are all-gathered.
+   (import_state says where), then the working parameters are all-gathered.
 
 RNG: at the saved world size each rank restores its own torch/numpy/python RNG states.
 At another world size there is no meaningful mapping of old ranks to new ones, so every
@@ -26,11 +26,11 @@ import torch
 from .. import runtime
 from ..optim import schedulers
 from . import directory as dirs
-from . import format as fmt
+from . import manifest_json, naming
+from .errors import CheckpointError, raise_agreed
 from . import verify as ver
-from .format import CheckpointError
 from .reader import PieceReader
-from .writer import model_tensors, module_tensors
+from .rankfile_engine import model_tensors, module_tensors
 
 _CONTEXT = "cannot load checkpoint"
 
@@ -43,7 +43,7 @@ def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
         try:
             ckpt = dirs.resolve(directory, tag)
             if ckpt is not None:
-                path = os.path.join(ckpt, fmt.MANIFEST)
+                path = os.path.join(ckpt, naming.MANIFEST)
                 try:
                     with open(path, "rb") as f:
                         found = (ckpt, f.read())
@@ -51,26 +51,26 @@ def _locate(comm, directory, tag) -> tuple[str | None, bytes | None]:
                     raise CheckpointError(f"{path}: missing (not a complete zerompi checkpoint)") from None
         except (CheckpointError, ValueError, OSError) as e:
             err = str(e)
-    fmt.raise_agreed(comm, err, _CONTEXT)
+    raise_agreed(comm, err, _CONTEXT)
     return comm.bcast_object(found)
 
 
-def _check(engine, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, list[str]]:
-    comm = engine.dims.world
+def _check(view, ckpt: str, text: bytes, verify: bool) -> tuple[dict | None, list[str]]:
+    comm = view.dims.world
     try:
-        manifest = fmt.unseal(text, os.path.join(ckpt, fmt.MANIFEST))
+        manifest = manifest_json.unseal(text, os.path.join(ckpt, naming.MANIFEST))
         manifest["_path"] = ckpt
     except CheckpointError as e:
         return None, [str(e)]
     errors = ver.check_files(ckpt, manifest, (comm.rank, comm.size) if verify else None)
     errors += ver.check_coverage(manifest)
-    missing = [k for k in engine.STATE_KINDS if k not in manifest["kinds"]]
+    missing = [k for k in view.state_kinds if k not in manifest["kinds"]]
     if missing:
         errors.append(f"{ckpt}: no {', '.join(missing)} state in the checkpoint")
-    errors += ver.check_model(manifest, model_tensors(engine))
+    errors += ver.check_model(manifest, model_tensors(view))
     saved = {n: tuple(t["shape"]) for n, t in manifest.get("module_tensors", {}).items()}
     errors += ver.check_model({"tensors": {n: {"shape": s} for n, s in saved.items()}, "_path": ckpt},
-                              [(n, tuple(t.shape)) for n, t, _ in module_tensors(engine)],
+                              [(n, tuple(t.shape)) for n, t, _ in module_tensors(view)],
                               what="frozen parameter or buffer")
     return manifest, errors
 
@@ -93,22 +93,22 @@ def _restore_rng(rng: dict) -> None:
     random.setstate((version, tuple(internal), gauss_next))
 
 
-def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict | None:
-    """Load into `engine`; returns the saved client_state (None when DIR has no
-    checkpoint). verify=False skips the sha256 pass (sizes and structure still checked)."""
-    comm = engine.dims.world
+def load(view, directory, tag: str | None = None, verify: bool = True) -> dict | None:
+    """Load into the engine of `view` (engine.checkpoint_view()); returns the saved
+    client_state (None when DIR has no checkpoint). verify=False skips the sha256 pass (sizes and structure still checked)."""
+    comm = view.dims.world
     ckpt, text = _locate(comm, directory, tag)
     if ckpt is None:
         return None
-    manifest, errors = _check(engine, ckpt, text, verify)
+    manifest, errors = _check(view, ckpt, text, verify)
     # The checksum shares finish at different times (rank 0 also hashes index.h5): wait
     # sleeping, since ranks spinning in the agreement's allgather would take the cores
     # of those still hashing when ranks outnumber cores.
     comm.barrier(poll=True)
-    fmt.raise_agreed(comm, errors, _CONTEXT)
+    raise_agreed(comm, errors, _CONTEXT)
 
     same_world = (manifest["world_size"] == comm.size
-                  and manifest.get("tensor_parallel_size", 1) == engine.dims.tp_size)
+                  and manifest.get("tensor_parallel_size", 1) == view.dims.tp_size)
     reader = PieceReader(ckpt, manifest)
     try:
         meta = own = None
@@ -119,7 +119,7 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
             extra = {n: reader.module_tensor(n) for n in manifest.get("module_tensors", {})}
         except CheckpointError as e:
             errors.append(str(e))
-        fmt.raise_agreed(comm, errors, _CONTEXT)
+        raise_agreed(comm, errors, _CONTEXT)
 
         def fetch(kind: str, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
             if out is None:
@@ -127,16 +127,16 @@ def load(engine, directory, tag: str | None = None, verify: bool = True) -> dict
             reader.read(kind, name, lo, hi, out=_host_array(out))  # HDF5 reads into the engine's buffer
             return out
 
-        engine.import_state(fetch, meta["steps"], meta["param_groups"], meta["scaler"], meta["counters"])
-        schedulers.load_state(engine, manifest.get("lr_scheduler"))
+        view.import_state(fetch, meta["steps"], meta["param_groups"], meta["scaler"], meta["counters"])
+        schedulers.load_state(view, manifest.get("lr_scheduler"))
         with torch.no_grad():
-            for name, t, _ in module_tensors(engine):
+            for name, t, _ in module_tensors(view):
                 t.copy_(torch.from_numpy(np.asarray(extra[name])).reshape(t.shape))
     finally:
         reader.close()
     if same_world:
         _restore_rng(own["rng"])
     else:
-        seed = int(engine.config.seed) + 1000003 * (int(meta["counters"]["global_steps"]) + 1)
-        runtime.seed_everything(seed, engine.rank)  # the dp rank, as at start-up
+        seed = int(view.config.seed) + 1000003 * (int(meta["counters"]["global_steps"]) + 1)
+        runtime.seed_everything(seed, view.rank)  # the dp rank, as at start-up
     return manifest["client_state"]

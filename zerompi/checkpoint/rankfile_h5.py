@@ -2,8 +2,8 @@
 host staging buffer (the asynchronous save's background writer, which may run in a
 helper process that imports only numpy and h5py).
 
-writer.py writes the same file synchronously from the engine's own buffers; both go
-through write_structure, so the two paths cannot drift apart. Layout: writer.py's
+rankfile_engine.py writes the same file synchronously from the engine's own buffers;
+both go through write_structure, so the two paths cannot drift apart. Layout: rankfile_engine.py's
 docstring and docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import h5py
 import numpy as np
 
-from . import format as fmt
+from . import checksums, hdf5, naming
 
 PIECE_DTYPE = np.dtype([("name", h5py.string_dtype()), ("shape", h5py.string_dtype()),
                         ("lo", "<i8"), ("hi", "<i8"), ("offset", "<i8")])
@@ -68,7 +68,7 @@ class Writer:
 
     def __init__(self, path: str, fd: int, dfd: int | None, threaded: bool = True):
         self.path, self.fd, self.dfd = path, fd, dfd
-        self.crc = fmt.BlockCRC()
+        self.crc = checksums.BlockCRC()
         self.pending: deque = deque()
         self.ex = ThreadPoolExecutor(1, thread_name_prefix="zerompi-ckpt-write") if threaded else None
         self.gap_buf = bytearray(1 << 20)
@@ -86,7 +86,7 @@ class Writer:
     def gap(self, lo: int, hi: int) -> None:
         """Bytes HDF5 wrote (headers, piece table, RNG, module tensors): checksummed from the file."""
         if hi > lo:
-            self._submit(fmt.crc_range, self.fd, lo, hi, self.crc, self.path, self.gap_buf)
+            self._submit(checksums.crc_range, self.fd, lo, hi, self.crc, self.path, self.gap_buf)
 
     def put(self, data: np.ndarray, pos: int, direct: bool):
         """Checksum `data` (uint8) and write it at `pos`; returns a future (None when
@@ -144,7 +144,7 @@ def module_entry(name: str, shape, dtype: str, torch_dtype: str, role: str) -> d
     """The manifest's record of a frozen parameter or buffer stored with this shape and
     numpy dtype."""
     return {"shape": [int(d) for d in shape], "dtype": np.dtype(dtype).str, "torch_dtype": torch_dtype,
-            "role": role, "link": fmt.link_name(name)}
+            "role": role, "link": naming.link_name(name)}
 
 
 def write_structure(f, header: dict, module: list[tuple[str, np.ndarray, str, str]]) -> None:
@@ -164,9 +164,9 @@ def write_structure(f, header: dict, module: list[tuple[str, np.ndarray, str, st
     rg.create_dataset("numpy_keys", data=rng["numpy_keys"])
     rg.attrs["numpy"], rg.attrs["python"] = rng["numpy"], rng["python"]
     if module:
-        mg = f.create_group(fmt.MODULE_GROUP)
+        mg = f.create_group(naming.MODULE_GROUP)
         for name, arr, torch_dtype, role in module:
-            d = mg.create_dataset(fmt.link_name(name), data=arr, shape=arr.shape, dtype=arr.dtype)
+            d = mg.create_dataset(naming.link_name(name), data=arr, shape=arr.shape, dtype=arr.dtype)
             d.attrs.update({"name": name, "torch_dtype": torch_dtype, "role": role})
 
 
@@ -179,8 +179,8 @@ def _diverged(kind: str, pieces: list, first: int) -> FloatingPointError:
 
 def write_staged(path: str, job: dict, buf: np.ndarray) -> tuple[str, int]:
     """Write and fsync a rank file whose state and module tensors lie in `buf` (uint8,
-    page-aligned), as staging.py laid them out; returns (digest, size) as
-    format.digest_file computes them. job: {"header": write_structure's, "module":
+    page-aligned), as background/snapshot.py laid them out; returns (digest, size) as
+    checksums.digest_file computes them. job: {"header": write_structure's, "module":
     [(name, torch dtype, role, shape, numpy dtype, byte offset)], "datasets": [(kind,
     elements, byte offset, 'f4' | lowp kind)]}. State regions start page-aligned, so
     with O_DIRECT they go to disk straight from `buf`: no copy, one read for the
@@ -188,11 +188,11 @@ def write_staged(path: str, job: dict, buf: np.ndarray) -> tuple[str, int]:
     module = [(n, np.frombuffer(buf, np.dtype(dt), int(np.prod(shape)), off).reshape(shape), td, role)
               for n, td, role, shape, dt, off in job["module"]]
     plan = []
-    with h5py.File(path, "w", libver=fmt.LIBVER, locking=False, **H5_ALIGNMENT) as f:
+    with h5py.File(path, "w", libver=hdf5.LIBVER, locking=False, **H5_ALIGNMENT) as f:
         write_structure(f, job["header"], module)
-        g = f.create_group(fmt.STATE_GROUP)
+        g = f.create_group(naming.STATE_GROUP)
         for kind, n, off, store in job["datasets"]:
-            h5type = h5py.h5t.IEEE_F32LE if store == "f4" else fmt.lowp_h5type(store)
+            h5type = h5py.h5t.IEEE_F32LE if store == "f4" else hdf5.lowp_h5type(store)
             base = alloc_raw(g, kind, n, h5type)
             if base is not None:
                 plan.append((base, kind, off, n * (4 if store == "f4" else 2), store == "f4"))

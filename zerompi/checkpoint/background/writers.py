@@ -1,6 +1,6 @@
 """Where an asynchronous save's bytes are written: a thread per save in the rank, which
 copies the snapshot and then writes the file in the rank itself (writer "thread") or
-hands it to the rank's helper process (writer "process", writer_process.py); the same
+hands it to the rank's helper process (writer "process", helper.py); the same
 for rank 0's index.h5 and manifest once every rank's file is written.
 
 Either way the writer runs at a lower CPU priority than training (WRITER_NICE): when
@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 
-from .index import write_metadata
-from .rankfile import write_staged
-from .writer_process import RemoteError, recv, send
+from ..index import write_metadata
+from ..rankfile_h5 import write_staged
+from .helper import RemoteError, recv, send
 
 WRITER_KINDS = ("thread", "process")
 # CFS weights: nice 19 gets ~1.5% of a core that a nice-0 thread keeps busy (nice 10:
@@ -68,7 +68,7 @@ class ProcessWriter:
         if staging.fd is None:
             raise RuntimeError("checkpoint writer = process needs memfd_create (Linux)")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zerompi.checkpoint.writer_process", str(staging.fd),
+            [sys.executable, "-m", "zerompi.checkpoint.background.helper", str(staging.fd),
              str(staging.nbytes), str(nice), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(staging.fd,), start_new_session=True)
 

@@ -1,7 +1,7 @@
 """The helper process of asynchronous saves with writer = "process": one per rank,
 started once, writing rank files from the rank's staging buffer (a memfd it maps).
 
-    python -m zerompi.checkpoint.writer_process FD NBYTES NICE PARENT_PID
+    python -m zerompi.checkpoint.background.helper FD NBYTES NICE PARENT_PID
 
 It imports numpy and h5py only (no torch, no MPI), runs at nice NICE, ignores the stop
 signals (its rank decides what happens to a save in flight), dies with its rank
@@ -81,8 +81,8 @@ def main(argv: list[str]) -> int:
         signal.signal(s, signal.SIG_IGN)
     import numpy as np
 
-    from .index import write_metadata
-    from .rankfile import write_staged
+    from ..index import write_metadata
+    from ..rankfile_h5 import write_staged
 
     lower_priority(nice)   # after the imports (a second of CPU once), which would crawl at nice 19
 

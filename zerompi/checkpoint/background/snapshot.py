@@ -4,7 +4,7 @@ A save copies what this rank's file holds into one host buffer, allocated once t
 the engine's Placement (device.Placement.host_staging: page-aligned, shareable with a
 helper process, page-locked on a GPU) and laid out as the file's datasets are: each
 state kind (fp32), the low-precision parameter copy, rank 0's frozen parameters and
-buffers. The background writer (rankfile.write_staged) then writes straight from it.
+buffers. The background writer (rankfile_h5.write_staged) then writes straight from it.
 
 What changes when (so what must be copied before what):
 - small things (counters, scaler, AdamW steps, parameter groups, RNG states) and the
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from .rankfile import ALIGN
-from .writer import header_of
+from ..rankfile_h5 import ALIGN
+from ..rankfile_engine import header_of
 
 
 def _store_dtype(t: torch.Tensor) -> torch.dtype:
@@ -30,7 +30,7 @@ def _store_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
 
 
-def _layout(engine, lowp: str | None, mods: list) -> tuple[list, list, int]:
+def _layout(view, lowp: str | None, mods: list) -> tuple[list, list, int]:
     """(datasets [(kind, elements, byte offset, 'f4' | lowp kind)], module [(name, torch
     dtype, role, shape, numpy dtype, byte offset)], bytes): every region starts on an
     ALIGN boundary, so it can go to disk with O_DIRECT."""
@@ -42,12 +42,12 @@ def _layout(engine, lowp: str | None, mods: list) -> tuple[list, list, int]:
         end = start + nbytes
         return start
 
-    n = engine.exported_elements()
-    datasets = [(kind, n, take(4 * n), "f4") for kind in engine.STATE_KINDS]
+    n = view.exported_elements()
+    datasets = [(kind, n, take(4 * n), "f4") for kind in view.state_kinds]
     if lowp:
         datasets.append((lowp, n, take(2 * n), lowp))
     module = []
-    if engine.dims.world.rank == 0:
+    if view.dims.world.rank == 0:
         for name, t, role in mods:
             store = _store_dtype(t)
             size = t.numel() * torch.empty(0, dtype=store).element_size()
@@ -60,16 +60,16 @@ class Staging:
     """One rank's staging buffer; reused by every save of the engine (reallocated only
     if what a checkpoint holds changes shape, e.g. a buffer that was resized)."""
 
-    def __init__(self, engine, lowp: str | None, mods: list):
-        self.datasets, self.module, self.nbytes = _layout(engine, lowp, mods)
+    def __init__(self, view, lowp: str | None, mods: list):
+        self.datasets, self.module, self.nbytes = _layout(view, lowp, mods)
         self.lowp = lowp
-        self.placement = engine.state.placement
+        self.placement = view.placement
         self.mem, self.fd = self.placement.host_staging(self.nbytes)
         self.array = self.mem.numpy()
         self.stream = torch.cuda.Stream(self.placement.device) if self.placement.is_cuda else None
 
-    def fits(self, engine, lowp: str | None, mods: list) -> bool:
-        return lowp == self.lowp and _layout(engine, lowp, mods) == (self.datasets, self.module, self.nbytes)
+    def fits(self, view, lowp: str | None, mods: list) -> bool:
+        return lowp == self.lowp and _layout(view, lowp, mods) == (self.datasets, self.module, self.nbytes)
 
     def view(self, off: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.empty(0, dtype=dtype).element_size()
@@ -93,16 +93,16 @@ class Snapshot:
     does the host copies; fence() (the training thread, before the engine changes its
     state) waits for them; finish() (the save's thread) completes the low-precision copy."""
 
-    def __init__(self, staging: Staging, engine, tag: str, mods: list):
-        state = engine.export_state(views=True)
-        self.header = header_of(engine, tag, state)
+    def __init__(self, staging: Staging, view, tag: str, mods: list):
+        state = view.export_state(views=True)
+        self.header = header_of(view, tag, state)
         self.summary = self.header.pop("summary")
         self.elements = self.header.pop("elements")
         self.job = {"header": self.header, "module": staging.module, "datasets": staging.datasets}
         self.staging, self.host, device, later = staging, [], [], []
         self.fence_s, self.copied = 0.0, threading.Event()
         regions = {kind: off for kind, _, off, _ in staging.datasets}
-        for kind in engine.STATE_KINDS:
+        for kind in view.state_kinds:
             pos = regions[kind]
             for t in state["tensors"][kind]:
                 pair = (staging.view(pos, t.numel(), torch.float32), t.reshape(-1))
@@ -168,7 +168,7 @@ class Snapshot:
             self.fence_s = time.perf_counter() - t0
 
     def module_info(self) -> dict:
-        from .rankfile import module_entry
+        from ..rankfile_h5 import module_entry
 
         return {name: module_entry(name, shape, dt, td, role)
                 for name, td, role, shape, dt, _ in self.staging.module}

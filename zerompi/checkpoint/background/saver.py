@@ -1,14 +1,14 @@
-"""Asynchronous saves: the same checkpoint as saving.save, written in the background.
+"""Asynchronous saves: the same checkpoint as save_protocol.save, written in the background.
 
     save(engine, DIR, async_save=True)   # collective: snapshot, then training goes on
     poll(engine)                         # collective, once per step: advance, publish
     flush(engine)                        # collective: finish the save in flight, publish
 
-A save runs saving.start on every rank (arguments, rank 0's temporary directory), takes
+A save runs save_protocol.start on every rank (arguments, rank 0's temporary directory), takes
 a Snapshot into the rank's staging buffer and returns. Then, each step advanced by a
 poll once every rank's part of it has finished:
   write  every rank's background task copies the snapshot and writes its file;
-  meta   the ranks agree that all files are written (saving.agree_written: the piece
+  meta   the ranks agree that all files are written (save_protocol.agree_written: the piece
          tables are exchanged, or everyone raises); rank 0's background task writes
          index.h5 and manifest.json (about a second of HDF5 calls for a GPT-2-sized model,
          which would otherwise stall every rank);
@@ -33,12 +33,12 @@ import sys
 import time
 import weakref
 
-from ..runtime import watchdog
-from ..runtime.console import say
-from . import saving
-from .background import WRITER_KINDS, WRITER_NICE, ProcessWriter, Task, ThreadWriter, save_task
-from .staging import Snapshot, Staging
-from .writer import module_tensors
+from ...runtime import watchdog
+from ...runtime.console import say
+from .. import save_protocol
+from .writers import WRITER_KINDS, WRITER_NICE, ProcessWriter, Task, ThreadWriter, save_task
+from .snapshot import Snapshot, Staging
+from ..rankfile_engine import module_tensors
 
 
 class InFlight:
@@ -52,26 +52,26 @@ class InFlight:
 
 
 class AsyncSaver:
-    """Per engine (engine._async_saver): the staging buffer and writer, allocated at the
+    """Per engine (its checkpoint view's saver slot): the staging buffer and writer, allocated at the
     first asynchronous save and reused, and the save in flight."""
 
-    def __init__(self, engine, writer: str, nice: int = WRITER_NICE):
+    def __init__(self, view, writer: str, nice: int = WRITER_NICE):
         if writer not in WRITER_KINDS:
             raise ValueError(f"checkpoint writer {writer!r}: must be one of {', '.join(WRITER_KINDS)}")
-        self.engine = weakref.ref(engine)
+        self.view = weakref.ref(view)   # the engine holds the view, the view this saver
         self.kind, self.nice, self.staging, self.writer = writer, nice, None, None
         self.inflight: InFlight | None = None
         self.published: list[dict] = []   # path, tag, stall_s, write_s, waited_s of each published save
         atexit.register(_warn_unpublished, weakref.ref(self))
 
-    def _prepare(self, engine, lowp: str | None, mods: list) -> None:
-        if self.staging is not None and self.staging.fits(engine, lowp, mods):
+    def _prepare(self, view, lowp: str | None, mods: list) -> None:
+        if self.staging is not None and self.staging.fits(view, lowp, mods):
             return
         self.close()
-        self.staging = Staging(engine, lowp, mods)
+        self.staging = Staging(view, lowp, mods)
         if self.kind == "process" and self.staging.fd is None:   # no memfd (not Linux): no helper can map it
             say("checkpoint: writer process needs memfd_create; writing in a thread instead",
-                rank=engine.dims.world.rank)
+                rank=view.dims.world.rank)
             self.kind = "thread"
         self.writer = ProcessWriter(self.staging, self.nice) if self.kind == "process" else ThreadWriter(self.nice)
 
@@ -79,15 +79,15 @@ class AsyncSaver:
         """Allocate the staging buffer, touch its pages and start the writer now (a
         trainer's set-up) instead of at the first save, where page faults would slow
         the snapshot copy and a helper process would start while training runs."""
-        from . import format as fmt
+        from .. import naming
 
-        engine = self.engine()
-        self._prepare(engine, fmt.lowp_kind(engine.config.precision), module_tensors(engine))
+        view = self.view()
+        self._prepare(view, naming.lowp_kind(view.config.precision), module_tensors(view))
         self.staging.mem.zero_()
 
     def begin(self, directory, tag, client_state, keep_last) -> str:
         """Collective. Returns the path the checkpoint will have once published."""
-        engine = self.engine()
+        view = self.view()
         t0 = time.perf_counter()
         waited = 0.0
         if self.inflight is not None:
@@ -95,15 +95,15 @@ class AsyncSaver:
             self.flush()
             waited = time.perf_counter() - t0
             say(f"checkpoint: waited {waited:.2f} s for the save of {prev} to finish before saving "
-                f"{tag or f'step-{engine.global_steps}'} (at most one save is in flight)", rank=engine.dims.world.rank)
+                f"{tag or f'step-{view.global_steps}'} (at most one save is in flight)", rank=view.dims.world.rank)
         t1 = time.perf_counter()
-        s = saving.start(engine, directory, tag, client_state, keep_last)
+        s = save_protocol.start(view, directory, tag, client_state, keep_last)
         try:
-            mods = module_tensors(engine)   # frozen parameters and buffers: (name, tensor, role)
-            self._prepare(engine, s["lowp"], mods)
-            snap = Snapshot(self.staging, engine, s["tag"], mods)
+            mods = module_tensors(view)   # frozen parameters and buffers: (name, tensor, role)
+            self._prepare(view, s["lowp"], mods)
+            snap = Snapshot(self.staging, view, s["tag"], mods)
             task = save_task(snap, self.writer, self.staging, s["path"])
-            engine._state_fence = snap.fence   # the next update waits for the copy
+            view.set_fence(snap.fence)   # the next update waits for the copy
         except Exception as e:   # e.g. no host memory for the staging buffer: reported by the next poll
             snap, task = None, Task("zerompi-ckpt-save", _raiser(RuntimeError(
                 f"cannot take the snapshot: {type(e).__name__}: {e}")))
@@ -132,7 +132,7 @@ class AsyncSaver:
             f.asked = None
         if running:
             done = f.task is None or f.task.finished.is_set()
-            f.asked = self.engine().dims.world.start_allreduce_scalars([0.0 if done else 1.0], op="max")
+            f.asked = self.view().dims.world.start_allreduce_scalars([0.0 if done else 1.0], op="max")
         f.stall_s += time.perf_counter() - t0
         f.parts["poll_s"] += time.perf_counter() - t0
         return None if running else self._advance()
@@ -152,11 +152,11 @@ class AsyncSaver:
         return rec
 
     def _advance(self) -> dict | None:
-        f, engine = self.inflight, self.engine()
+        f, view = self.inflight, self.view()
         t0 = time.perf_counter()
         try:
             with watchdog.generous("checkpoint publish"):
-                rec = self._write_done(f, engine) if f.phase == "write" else self._publish(f, engine)
+                rec = self._write_done(f, view) if f.phase == "write" else self._publish(f, view)
         except BaseException:
             self.inflight = None   # raised on every rank: nothing left to finish
             raise
@@ -167,21 +167,21 @@ class AsyncSaver:
             rec["stall_s"] += dt
         return rec
 
-    def _write_done(self, f: InFlight, engine) -> None:
+    def _write_done(self, f: InFlight, view) -> None:
         s, task = f.start, f.task
         info = err = None
         if task.error is not None:
-            err = saving.write_error(task.error, s["path"], engine, s["lowp"])
+            err = save_protocol.write_error(task.error, s["path"], view, s["lowp"])
         else:
             info = dict(f.snapshot.summary, pieces=f.snapshot.header["pieces"], elements=f.snapshot.elements,
                         module=f.snapshot.module_info(), digest=task.result[0], size=task.result[1],
                         write_s=task.seconds)
-        infos = saving.agree_written(engine, s, info, err, all_done=True)   # raises on every rank if any failed
+        infos = save_protocol.agree_written(view, s, info, err, all_done=True)   # raises on every rank if any failed
         f.write_s = max(i["write_s"] for i in infos)
         f.phase, f.task = "meta", None
-        if engine.dims.world.rank == 0:
+        if view.dims.world.rank == 0:
             try:
-                manifest = saving.manifest_of(engine, s, infos)
+                manifest = save_protocol.manifest_of(view, s, infos)
             except Exception as e:
                 f.meta_err = f"{type(e).__name__}: {e}"
             else:
@@ -189,12 +189,12 @@ class AsyncSaver:
                 f.task.start()
         return None
 
-    def _publish(self, f: InFlight, engine) -> dict:
+    def _publish(self, f: InFlight, view) -> dict:
         err = f.meta_err
         if f.task is not None and f.task.error is not None:
             e = f.task.error
             err = f"{getattr(e, 'kind', type(e).__name__)}: {e}"
-        path = saving.publish(engine, f.start, err)
+        path = save_protocol.publish(view, f.start, err)
         self.inflight = None
         rec = {"path": path, "tag": f.start["tag"], "stall_s": f.stall_s + f.snapshot.fence_s,
                "write_s": f.write_s, "waited_s": f.waited_s, "parts": dict(f.parts, fence_s=f.snapshot.fence_s)}
@@ -229,10 +229,11 @@ def _warn_unpublished(ref) -> None:
               "not published (call zerompi.checkpoint.flush(engine) before the end)", file=sys.stderr, flush=True)
 
 
-def saver_of(engine, writer: str = "process") -> AsyncSaver:
-    saver = getattr(engine, "_async_saver", None)
+def saver_of(view, writer: str = "process") -> AsyncSaver:
+    """The engine's saver (view: engine.checkpoint_view()), made or remade for `writer`."""
+    saver = view.saver
     if saver is None or (saver.kind != writer and saver.inflight is None):
         if saver is not None:
             saver.close()
-        saver = engine._async_saver = AsyncSaver(engine, writer)
+        saver = view.saver = AsyncSaver(view, writer)
     return saver
