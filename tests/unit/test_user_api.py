@@ -207,3 +207,17 @@ def test_deepspeed_scheduler_block_comes_back_as_the_tuples_scheduler():
     engine, opt, _, sched = zerompi.initialize(model=model, model_parameters=model.parameters(), config=ds,
                                                dist_init_required=False)
     assert sched is not None and sched is engine.lr_scheduler and opt is engine.optimizer
+
+
+def test_a_save_between_micro_steps_is_refused(tmp_path):
+    # the accumulated gradients are not in a checkpoint: a save there would resume differently
+    torch.manual_seed(0)
+    eng = zerompi.initialize(torch.nn.Linear(4, 2), {"stage": 1, "gradient_accumulation_steps": 2})
+    x = torch.randn(3, 4)
+    eng.backward(eng(x).square().mean())
+    eng.step()
+    with pytest.raises(ValueError, match="after micro-step 1 of 2 of an update"):
+        eng.save_checkpoint(tmp_path / "mid")
+    eng.backward(eng(x).square().mean())
+    eng.step()
+    assert eng.save_checkpoint(tmp_path / "boundary")

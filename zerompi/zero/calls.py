@@ -92,6 +92,16 @@ def attach_state(engine, name: str, obj) -> None:
     engine.__dict__.setdefault("_attached", {})[name] = obj
 
 
+def require_boundary(engine, name: str) -> None:
+    """A checkpoint holds no accumulated gradients: one saved between the micro-steps of an
+    update would resume as a different run, so it is refused (on every rank alike)."""
+    k, g = engine.micro_steps % engine.gradient_accumulation_steps, engine.gradient_accumulation_steps
+    if k:
+        raise ValueError(f"engine.{name}() after micro-step {k} of {g} of an update: the accumulated "
+                         "gradients are not saved, so a resume would not continue this run; save after "
+                         "the engine.step() that applies the update")
+
+
 def with_attached(engine, client_state: dict | None) -> dict | None:
     attached = engine.__dict__.get("_attached")
     if not attached:

@@ -368,7 +368,7 @@ class ZeroEngine(calls.EngineFace):
         keep_last=K removes older checkpoints once this one is safely in place.
         async_save=True writes it in the background: zerompi.checkpoint.poll/flush publish it. Collective."""
         from .. import checkpoint
-
+        calls.require_boundary(self, "save_checkpoint")  # accumulated gradients are not saved
         return checkpoint.save(self, directory, tag=tag, client_state=calls.with_attached(self, client_state),
                                keep_last=keep_last, async_save=async_save)
 
