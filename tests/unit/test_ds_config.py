@@ -1,5 +1,5 @@
-"""DeepSpeed JSON configs read as DeepSpeed means them (zerompi/config/deepspeed*.py): every
-key is mapped, ignored or refused by the one table (deepspeed_keys.py), with DeepSpeed's
+"""DeepSpeed JSON configs read as DeepSpeed means them (zerompi/config/deepspeed/): every
+key is mapped, ignored or refused by the one table (deepspeed/keys.py), with DeepSpeed's
 defaults; unknown keys are named or refused; zerompi.initialize takes the file. The
 trainer's side (--deepspeed_config): tests/unit/test_ds_train.py and
 tests/system/test_train_deepspeed.py. Every config here is
@@ -13,8 +13,8 @@ import torch
 import zerompi
 from zerompi.config import ConfigError
 from zerompi.config.deepspeed import DeepSpeedConfigWarning, translate
-from zerompi.config.deepspeed_keys import IGNORE, MAP, REFUSE, TABLE, markdown
-from zerompi.config.deepspeed_zero import buffer_bytes
+from zerompi.config.deepspeed.keys import IGNORE, MAP, REFUSE, TABLE, markdown
+from zerompi.config.deepspeed.zero import buffer_bytes
 
 DS = {
     "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
@@ -297,10 +297,10 @@ def test_initialize_takes_a_deepspeed_file_with_one_warning_and_says_what_is_in_
 
 def test_docs_key_table_is_the_table():
     doc = (__import__("pathlib").Path(__file__).parents[2] / "docs" / "migrating-from-deepspeed.md").read_text()
-    begin = "<!-- deepspeed-keys:begin (generated: python -m zerompi.config.deepspeed_keys) -->\n"
+    begin = "<!-- deepspeed-keys:begin (generated: python -m zerompi.config.deepspeed.keys) -->\n"
     assert doc[doc.index(begin) + len(begin):doc.index("<!-- deepspeed-keys:end -->")] == markdown(), \
-        "regenerate the table: python -m zerompi.config.deepspeed_keys"
-    from zerompi.config.deepspeed_report import RULE
+        "regenerate the table: python -m zerompi.config.deepspeed.keys"
+    from zerompi.config.deepspeed.report import RULE
 
     assert f"`zerompi.train: which side wins: {RULE}`" in " ".join(doc.split())  # the rule printed is the rule documented
     for key, e in TABLE.items():  # every key in its section, with its reason

@@ -1,6 +1,6 @@
 """Configuration: ZeroConfig and its sections (zero.py), loading dicts / JSON / TOML /
-overrides (loading.py), DeepSpeed JSON read as DeepSpeed means it (deepspeed.py, by the
-one key table in deepspeed_keys.py), and the one error type naming the dotted key
+overrides (loading.py), DeepSpeed JSON read as DeepSpeed means it (deepspeed/, by the
+one key table in deepspeed/keys.py), and the one error type naming the dotted key
 (errors.py). The trainer's TrainConfig builds on these: zerompi/trainer/config.py."""
 from .errors import ConfigError, fail
 from .loading import load, parse_overrides, read_file, to_dict

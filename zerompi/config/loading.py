@@ -170,7 +170,7 @@ def load(source: "ZeroConfig | Mapping | str | os.PathLike | None" = None,
             set_dotted(data, k, v)
     cfg = _build(cls, data)
     if ds is not None:
-        from .deepspeed_report import announce, effective
+        from .deepspeed.report import announce, effective
 
         announce(ds, name, [f"{name}, in effect: {effective(ds, cfg)}"], "zerompi")
     return cfg

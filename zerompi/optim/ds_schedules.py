@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..config.deepspeed_schedules import KINDS, PARAMS
+from ..config.deepspeed.schedules import KINDS, PARAMS
 from ..config.errors import ConfigError
 
 class DeepSpeedLR:

@@ -253,7 +253,7 @@ def load(source: "str | os.PathLike | dict | None" = None,
 def from_argv(argv: Sequence[str]) -> TrainConfig:
     """`--config FILE` (or config=FILE), optionally `--deepspeed_config DS.json`, then
     `--key value` / `key=value` overrides. Which side wins with a DeepSpeed file:
-    config/deepspeed_report.RULE (docs/migrating-from-deepspeed.md), printed at start."""
+    config/deepspeed/report.RULE (docs/migrating-from-deepspeed.md), printed at start."""
     files, rest = _split_argv(argv)
     if files["deepspeed_config"]:
         return _with_deepspeed(files["config"], files["deepspeed_config"], parse_overrides(rest))
@@ -315,10 +315,10 @@ def _show(v: Any) -> str:
 
 
 def _with_deepspeed(config_path, ds_path: str, overrides: dict) -> TrainConfig:
-    """The rule (deepspeed_report.RULE): --config, then what the DeepSpeed file decides
+    """The rule (deepspeed/report.RULE): --config, then what the DeepSpeed file decides
     (DeepSpeed's defaults included), then the command line; said on rank 0 at start."""
     from ..config import deepspeed
-    from ..config.deepspeed_report import RULE, announce, effective
+    from ..config.deepspeed.report import RULE, announce, effective
     from ..config.errors import ConfigError
 
     base = config.read_file(config_path) if config_path else {}

@@ -1,4 +1,4 @@
-"""A DeepSpeed config's values, read through the one table (deepspeed_keys.py): DeepSpeed's
+"""A DeepSpeed config's values, read through the one table (keys.py): DeepSpeed's
 default where the file leaves a key out, the key as the user wrote it in every error,
 and a record of what was read, so that no mapped key is silently dropped."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .deepspeed_keys import ABSENT, MAP, TABLE
-from .errors import ConfigError
+from .keys import ABSENT, MAP, TABLE
+from ..errors import ConfigError
 
 AUTO = "auto"
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "fp16": "fp16",

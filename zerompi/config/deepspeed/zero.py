@@ -3,8 +3,8 @@ ZeroConfig: stage, optimizer offload, the reduction bucket (no more buffer memor
 DeepSpeed's), the reduce / accumulation dtypes and the stage-3 knobs."""
 from __future__ import annotations
 
-from .deepspeed_values import Values
-from .errors import ConfigError
+from .values import Values
+from ..errors import ConfigError
 
 _AC = (("partition_activations", "partition"), ("cpu_checkpointing", "cpu_offload"),
        ("contiguous_memory_optimization", "contiguous"))

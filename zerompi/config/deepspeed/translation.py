@@ -2,7 +2,7 @@
 
 `zerompi.initialize(model, "ds_config.json")` and `python -m zerompi.train
 --deepspeed_config ds_config.json` take the file a DeepSpeed user already has. Every key
-goes through the one table (deepspeed_keys.py): mapped, ignored (it does not change the
+goes through the one table (keys.py): mapped, ignored (it does not change the
 trained model; named in one notice) or refused when switched on (a ConfigError naming
 the key as written). A key the table does not know is named (top level: DeepSpeed ignores
 those too) or refused (inside a block DeepSpeed validates). Keys that change the trained
@@ -17,12 +17,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .deepspeed_optim import ELEMENTWISE, elementwise, only
-from .deepspeed_keys import ALIASES, BLOCKS, DS_VERSION, IGNORE, MAP, TABLE, lookup, switched_on
-from .deepspeed_values import AUTO, Values
-from .deepspeed_zero import map_zero
-from .errors import ConfigError
-from .zero import ZeroConfig
+from .optim import ELEMENTWISE, elementwise, only
+from .keys import ALIASES, BLOCKS, DS_VERSION, IGNORE, MAP, TABLE, lookup, switched_on
+from .values import AUTO, Values
+from .zero import map_zero
+from ..errors import ConfigError
+from ..zero import ZeroConfig
 
 ADAM = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names
 SCHEDULES = {"WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
@@ -199,7 +199,7 @@ def _world(world_size, run: Run):
 
 
 def ranks() -> int:
-    from .. import runtime
+    from ... import runtime
 
     return runtime.init().Get_size()
 
@@ -293,7 +293,7 @@ def _schedule(ctx: Values, t: Translation, run: Run, trainer: bool) -> None:
         ctx.read.update(params)
         return
     if not trainer:  # zerompi.initialize builds it from the block (zero/client_optim.py, ds_schedules.py)
-        from .deepspeed_schedules import PARAMS
+        from .schedules import PARAMS
         for k in params:
             if k.rpartition(".")[2] not in PARAMS[kind]:
                 raise ConfigError(ctx.name(k), ctx.flat[k][1], f"not a parameter of DeepSpeed's {kind}")

@@ -1,8 +1,8 @@
 """The one table of DeepSpeed config keys: for every key zerompi knows, whether it is
 mapped (onto what), ignored (because it does not change the trained model) or refused
-when switched on (and why), with DeepSpeed's default. config/deepspeed.py translates by
+when switched on (and why), with DeepSpeed's default. translation.py translates by
 it; docs/migrating-from-deepspeed.md's key table is generated from it
-(`python -m zerompi.config.deepspeed_keys`, checked by tests/unit/test_ds_config.py).
+(`python -m zerompi.config.deepspeed.keys`, checked by tests/unit/test_ds_config.py).
 
 Defaults and meanings are DeepSpeed's as of DS_VERSION (its runtime/config.py,
 constants.py, zero/config.py, precision_config.py, lr_schedules.py and ops/adam).

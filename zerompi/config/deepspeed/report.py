@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import warnings
 
-from .deepspeed import DeepSpeedConfigWarning, Translation
-from ..runtime.console import say, world_rank
+from .translation import DeepSpeedConfigWarning, Translation
+from ...runtime.console import say, world_rank
 
 RULE = ("the DeepSpeed file decides precision, optimizer, clipping, batch and schedule, with DeepSpeed's defaults "
         "for what it leaves out; \"auto\", and an optimizer or scheduler block it does not have, keep --config's "

@@ -3,9 +3,9 @@ adagrad, zerompi/optim/elementwise.py): DeepSpeed passes their params to torch's
 torch's defaults apply; keys of another optimizer are refused, named."""
 from __future__ import annotations
 
-from .deepspeed_keys import MAP, lookup
-from .deepspeed_values import Values
-from .errors import ConfigError
+from .keys import MAP, lookup
+from .values import Values
+from ..errors import ConfigError
 
 ELEMENTWISE = ("sgd", "adagrad")
 _ELEMENTWISE_KEYS = {"sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
