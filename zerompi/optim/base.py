@@ -43,13 +43,22 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._views = [views(s.shard_lo, s.flat_lo, s.length) for s in self.segments]
         self.groups = param_groups
         self.steps = [0] * num_params
-        # torch's own set-up (hooks, step profiling), then our groups in place of its one
-        super().__init__([torch.zeros(0, requires_grad=True)], {k: v for k, v in param_groups[0].items()
-                                                                if k != "params"})
+        # torch's own set-up (hooks, step profiling), then our groups in place of its one.
+        # Its __init__ and add_param_group are wrapped in torch._disable_dynamo, whose first
+        # call imports torch._dynamo: seconds of CPU on every rank of every job. The body
+        # runs unwrapped, adding its one placeholder group plainly.
+        base_init = getattr(torch.optim.Optimizer.__init__, "__wrapped__", torch.optim.Optimizer.__init__)
+        self.add_param_group = self.param_groups_append  # shadows the wrapped method during set-up
+        base_init(self, [torch.zeros(0, requires_grad=True)], {k: v for k, v in param_groups[0].items()
+                                                               if k != "params"})
+        del self.add_param_group
         for g in param_groups:
             g.setdefault("params", [])
         self.param_groups = list(param_groups)
         self._index_of: dict[int, int] = {}  # id(model parameter) -> index of its step count
+
+    def param_groups_append(self, group: dict) -> None:
+        self.param_groups.append(group)
 
     def attach_params(self, params: Sequence[torch.Tensor], group_of: Sequence[int], hide_empty_default: bool) -> None:
         """Fill each group's "params" with the model's parameters (engine order); drop the
