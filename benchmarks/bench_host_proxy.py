@@ -165,7 +165,7 @@ def count(step, batch, engine, steps: int) -> dict:
     out["collectives_by_kind"] = {k: v / steps for k, v in sorted(total.items())}
     out["collectives_by_phase"] = {p: sum(v for k, v in c.items() if k != "<rounds>") / steps
                                    for p, c in coll.items() if p != "idle"}
-    out["agreement_rounds"] = rounds / steps if engine is not None and hasattr(engine.param_store, "rounds") else None
+    out["agreement_rounds"] = rounds / steps if engine is not None and hasattr(engine.param_store, "agreement") else None
     return out
 
 
