@@ -33,6 +33,8 @@ import pstats
 
 import torch
 
+import zerompi
+
 # runtime calls that block the host until the device is done (cudaMemcpy, not its Async
 # form), and polls
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -64,8 +66,10 @@ def _short(path: str) -> str:
     for mark in ("site-packages" + os.sep, "dist-packages" + os.sep):
         if mark in path:
             return path.split(mark, 1)[1]
-    i = path.find("zerompi" + os.sep)
-    return path[i:] if i >= 0 else path
+    # relative to the checkout that holds the imported zerompi: its folder may itself be
+    # named zerompi (a clone), so the first "zerompi/" in the path is not the package
+    root = os.path.dirname(os.path.dirname(os.path.abspath(zerompi.__file__))) + os.sep
+    return path[len(root):] if path.startswith(root) else path
 
 
 def _package(path: str) -> str:
