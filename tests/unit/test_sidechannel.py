@@ -18,16 +18,18 @@ from zerompi.runtime import sidechannel
 
 @pytest.fixture
 def me():
-    """This process as rank 0 of 3: rank 1 answers (also to a stray of another job, which
+    """This test's own channel (a watchdog thread an earlier in-process test left serves
+    only its own), as rank 0 of 3: rank 1 answers (also to a stray of another job, which
     it must not get), rank 2 is silent (a socket nobody reads: a stopped rank)."""
-    host, addrs, port, token = sidechannel.open_socket()
+    ch = sidechannel.Channel()
+    host, addrs, port, token = ch.open_socket()
     answering = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     answering.bind(("127.0.0.1", 0))
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     silent.bind(("127.0.0.1", 0))
     table = [(host, addrs, port, token), (host, [], answering.getsockname()[1], "x"),
              (host, [], silent.getsockname()[1], "y")]
-    sidechannel.set_peers(0, table)
+    ch.set_peers(0, table)
     stop = threading.Event()
     seen = []
 
@@ -47,38 +49,39 @@ def me():
 
     t = threading.Thread(target=rank1, daemon=True)
     t.start()
-    yield seen
+    yield ch, seen
     stop.set()
     t.join()
     answering.close()
     silent.close()
-    sidechannel.C.peers = {}
+    ch.close()
 
 
 def test_survey_names_who_answered_and_ignores_strays(me):
-    answers = sidechannel.survey(lambda: ("barrier", 1.0, 7), 0.8)
+    ch, seen = me
+    answers = ch.survey(lambda: ("barrier", 1.0, 7), 0.8)
     assert answers == {1: ("all_reduce", 4.5, 7)}  # rank 2 silent; the stray ignored
-    assert me and all(q["to"] == 1 and q["q"] == 0 for q in me)
+    assert seen and all(q["to"] == 1 and q["q"] == 0 for q in seen)
 
 
 def test_a_query_is_answered_with_this_ranks_status(me):
+    ch, _ = me
     asker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     asker.bind(("127.0.0.1", 0))
     asker.settimeout(2)
-    port = sidechannel.C.sock.getsockname()[1]
-    for msg in ({"t": "wrong", "to": 0, "q": 2, "n": "a"}, {"t": sidechannel.C.token, "to": 5, "q": 2, "n": "b"},
-                {"t": sidechannel.C.token, "to": 0, "q": 2, "n": "c"}):
+    port = ch.sock.getsockname()[1]
+    for msg in ({"t": "wrong", "to": 0, "q": 2, "n": "a"}, {"t": ch.token, "to": 5, "q": 2, "n": "b"},
+                {"t": ch.token, "to": 0, "q": 2, "n": "c"}):
         asker.sendto(json.dumps(msg).encode(), ("127.0.0.1", port))
     time.sleep(0.1)
-    sidechannel.serve(lambda: ("reduce_scatter", 2.0, 4))
+    ch.serve(lambda: ("reduce_scatter", 2.0, 4))
     reply = json.loads(asker.recvfrom(4096)[0])  # only the well-addressed query is answered
-    assert reply == {"t": sidechannel.C.token, "to": 2, "r": 0, "n": "c", "s": ["reduce_scatter", 2.0, 4]}
+    assert reply == {"t": ch.token, "to": 2, "r": 0, "n": "c", "s": ["reduce_scatter", 2.0, 4]}
     asker.close()
 
 
 def test_survey_without_peers_asks_nobody():
-    sidechannel.C.peers = {}
-    assert sidechannel.survey(lambda: (None, 0.0, None), 5.0) == {}
+    assert sidechannel.Channel().survey(lambda: (None, 0.0, None), 5.0) == {}
 
 
 GUARDED = textwrap.dedent("""

@@ -29,16 +29,6 @@ _RESEND_S = 0.5      # a query is sent again to a silent rank this often (a data
 _MAX_ADDRS = 8       # addresses advertised per rank (one per interface)
 
 
-class _Side:
-    sock: socket.socket | None = None
-    token = ""
-    rank = -1
-    peers: dict[int, list[tuple[str, int]]] = {}   # rank -> where to ask it
-
-
-C = _Side()
-
-
 def _local_addrs() -> list[str]:
     """This host's IPv4 addresses, loopback excluded: one per interface (Linux ioctl)."""
     out = []
@@ -61,105 +51,115 @@ def _local_addrs() -> list[str]:
     return out[:_MAX_ADDRS]
 
 
-def open_socket() -> tuple:
-    """Open this rank's socket (once); returns what the others need to reach it:
-    (host name, addresses, port, a random token)."""
-    if C.sock is None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("0.0.0.0", 0))
-        s.setblocking(False)
-        C.sock = s
-    return (socket.gethostname(), _local_addrs(), C.sock.getsockname()[1], os.urandom(8).hex())
+class Channel:
+    """One rank's socket and the table of where to ask the others. One reader per
+    socket: the watchdog thread owns the job's channel (watchdog.S.side) and is the only
+    thread that serves or surveys it."""
 
+    def __init__(self):
+        self.sock: socket.socket | None = None
+        self.token = ""
+        self.rank = -1
+        self.peers: dict[int, list[tuple[str, int]]] = {}   # rank -> where to ask it
 
-def set_peers(rank: int, table: list) -> None:
-    """`table[q]` = rank q's open_socket(); the job's token is rank 0's. Ranks on this
-    host are asked on loopback too (same host name: one network namespace)."""
-    if C.sock is None:
-        return
-    me = table[rank][0]
-    peers = {}
-    for q, (host, addrs, port, _) in enumerate(table):
-        if q != rank:
-            where = (["127.0.0.1"] if host == me else []) + list(addrs)
-            peers[q] = [(a, int(port)) for a in where]
-    C.token, C.rank, C.peers = table[0][3], rank, peers
+    def open_socket(self) -> tuple:
+        """Open this rank's socket (once); returns what the others need to reach it:
+        (host name, addresses, port, a random token)."""
+        if self.sock is None:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("0.0.0.0", 0))
+            s.setblocking(False)
+            self.sock = s
+        return (socket.gethostname(), _local_addrs(), self.sock.getsockname()[1], os.urandom(8).hex())
 
+    def set_peers(self, rank: int, table: list) -> None:
+        """`table[q]` = rank q's open_socket(); the job's token is rank 0's. Ranks on this
+        host are asked on loopback too (same host name: one network namespace)."""
+        if self.sock is None:
+            return
+        me = table[rank][0]
+        peers = {}
+        for q, (host, addrs, port, _) in enumerate(table):
+            if q != rank:
+                where = (["127.0.0.1"] if host == me else []) + list(addrs)
+                peers[q] = [(a, int(port)) for a in where]
+        self.token, self.rank, self.peers = table[0][3], rank, peers
 
-def ready() -> bool:
-    return C.sock is not None and bool(C.peers)
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock, self.token, self.rank, self.peers = None, "", -1, {}
 
+    def ready(self) -> bool:
+        return self.sock is not None and bool(self.peers)
 
-def fileno() -> int | None:
-    return C.sock.fileno() if C.sock is not None else None
+    def fileno(self) -> int | None:
+        return self.sock.fileno() if self.sock is not None else None
 
+    def _send(self, msg: dict, where) -> None:
+        data = json.dumps(msg).encode()
+        for addr in where:
+            try:
+                self.sock.sendto(data, addr)
+            except OSError:  # unreachable, no route, buffer full: as if lost
+                pass
 
-def _send(msg: dict, where) -> None:
-    data = json.dumps(msg).encode()
-    for addr in where:
-        try:
-            C.sock.sendto(data, addr)
-        except OSError:  # unreachable, no route, buffer full: as if lost
-            pass
+    def _receive(self):
+        """The next well-formed datagram of this job, with its sender: (msg, addr) or None."""
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(4096)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError:
+                return None
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("t") == self.token and msg.get("to") == self.rank:
+                return msg, addr
 
-
-def _receive():
-    """The next well-formed datagram of this job, with its sender: (msg, addr) or None."""
-    while True:
-        try:
-            data, addr = C.sock.recvfrom(4096)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            return None
-        try:
-            msg = json.loads(data)
-        except ValueError:
-            continue
-        if isinstance(msg, dict) and msg.get("t") == C.token and msg.get("to") == C.rank:
-            return msg, addr
-
-
-def serve(status) -> dict:
-    """Answer every pending query with `status()`; returns the replies read meanwhile
-    ({rank: (nonce, status)}), for a survey in progress."""
-    replies = {}
-    if C.sock is None or not C.token:
-        return replies
-    while True:
-        got = _receive()
-        if got is None:
+    def serve(self, status) -> dict:
+        """Answer every pending query with `status()`; returns the replies read meanwhile
+        ({rank: (nonce, status)}), for a survey in progress."""
+        replies = {}
+        if self.sock is None or not self.token:
             return replies
-        msg, addr = got
-        if "q" in msg:
-            _send({"t": C.token, "to": msg["q"], "r": C.rank, "n": msg.get("n"), "s": list(status())}, [addr])
-        elif "r" in msg and isinstance(msg.get("s"), list) and len(msg["s"]) == 3:
-            replies[msg["r"]] = (msg.get("n"), tuple(msg["s"]))
+        while True:
+            got = self._receive()
+            if got is None:
+                return replies
+            msg, addr = got
+            if "q" in msg:
+                self._send({"t": self.token, "to": msg["q"], "r": self.rank, "n": msg.get("n"),
+                            "s": list(status())}, [addr])
+            elif "r" in msg and isinstance(msg.get("s"), list) and len(msg["s"]) == 3:
+                replies[msg["r"]] = (msg.get("n"), tuple(msg["s"]))
 
-
-def survey(status, seconds: float) -> dict[int, tuple]:
-    """Ask every other rank for its status, for at most `seconds`; {rank: status} of
-    those that answered (the others are silent: stopped, dead, unreachable)."""
-    if not ready():
-        return {}
-    nonce = os.urandom(4).hex()
-    answers: dict[int, tuple] = {}
-    t_end = time.monotonic() + seconds
-    next_send = 0.0
-    while len(answers) < len(C.peers):
-        now = time.monotonic()
-        if now >= t_end:
-            break
-        if now >= next_send:
-            for q, where in C.peers.items():
-                if q not in answers:
-                    _send({"t": C.token, "to": q, "q": C.rank, "n": nonce}, where)
-            next_send = now + _RESEND_S
-        try:
-            select.select([C.sock], [], [], max(0.0, min(next_send, t_end) - time.monotonic()))
-        except (OSError, ValueError):
-            time.sleep(0.01)
-        for q, (n, st) in serve(status).items():
-            if n == nonce and q in C.peers:
-                answers[q] = st
-    return answers
+    def survey(self, status, seconds: float) -> dict[int, tuple]:
+        """Ask every other rank for its status, for at most `seconds`; {rank: status} of
+        those that answered (the others are silent: stopped, dead, unreachable)."""
+        if not self.ready():
+            return {}
+        nonce = os.urandom(4).hex()
+        answers: dict[int, tuple] = {}
+        t_end = time.monotonic() + seconds
+        next_send = 0.0
+        while len(answers) < len(self.peers):
+            now = time.monotonic()
+            if now >= t_end:
+                break
+            if now >= next_send:
+                for q, where in self.peers.items():
+                    if q not in answers:
+                        self._send({"t": self.token, "to": q, "q": self.rank, "n": nonce}, where)
+                next_send = now + _RESEND_S
+            try:
+                select.select([self.sock], [], [], max(0.0, min(next_send, t_end) - time.monotonic()))
+            except (OSError, ValueError):
+                time.sleep(0.01)
+            for q, (n, st) in self.serve(status).items():
+                if n == nonce and q in self.peers:
+                    answers[q] = st
+        return answers

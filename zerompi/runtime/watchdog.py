@@ -69,6 +69,7 @@ class _State:
     wake_r: socket.socket | None = None
     wake_w: socket.socket | None = None
     closing = False
+    side = sidechannel.Channel()   # this rank's side channel: only this module's thread reads it
 
 
 S = _State()
@@ -220,17 +221,17 @@ def side_address() -> tuple:
     (parallel.nodes.discover gathers it with the host names)."""
     if S.thread is None:
         _start()
-    return sidechannel.open_socket()
+    return S.side.open_socket()
 
 
 def side_peers(rank: int, table: list) -> None:
     """Every COMM_WORLD rank's side_address(), indexed by rank: the survey can ask them."""
-    sidechannel.set_peers(rank, table)
+    S.side.set_peers(rank, table)
 
 
 def _loop() -> None:
     while True:
-        fds = [f for f in (S.wake_r.fileno() if S.wake_r is not None else None, sidechannel.fileno())
+        fds = [f for f in (S.wake_r.fileno() if S.wake_r is not None else None, S.side.fileno())
                if f is not None]
         ready = []
         if fds:
@@ -248,11 +249,12 @@ def _loop() -> None:
             for signum in data:
                 _thread_signal(signum)
         try:
-            sidechannel.serve(_status)  # other ranks asking where this one is
+            S.side.serve(_status)  # other ranks asking where this one is
         except Exception:
             pass
         with _lock:  # an abort here vs. MPI_Finalize at exit (close())
             if S.closing:
+                S.side.close()
                 return
             _check()
 
@@ -294,7 +296,7 @@ def _probe(op, since, at, step, now, limit) -> None:
     if S.probed[:2] == (op, since) and now - S.probed[2] < S.timeout_s:
         return
     S.probed = (op, since, now)
-    if not sidechannel.ready() or len(sidechannel.C.peers) >= _ASK_MAX_RANKS:
+    if not S.side.ready() or len(S.side.peers) >= _ASK_MAX_RANKS:
         return  # nobody to ask: the generous deadline decides
     silent, _ = _survey(op, step)
     if not silent:
@@ -309,10 +311,10 @@ def _probe(op, since, at, step, now, limit) -> None:
 def _survey(op, step) -> tuple[list[int], str]:
     """Who is not with us: ask every rank over the side channel, wait _ASK_S for
     answers; (silent ranks, text)."""
-    peers = sorted(sidechannel.C.peers)
+    peers = sorted(S.side.peers)
     if len(peers) + 1 > _ASK_MAX_RANKS:
         return [], f" ({len(peers) + 1} ranks: not asking each where it is)"
-    answers = sidechannel.survey(_status, _ASK_S)
+    answers = S.side.survey(_status, _ASK_S)
     silent = [q for q in peers if q not in answers]
     same = sorted(q for q, (o, _, s) in answers.items() if o == op and s == step)
     elsewhere = [(q, a) for q, a in sorted(answers.items()) if q not in same]
@@ -352,9 +354,9 @@ def _ranks(qs: list[int]) -> str:
 def _expire(what: str, code: int, op: str | None = None, step: int | None = None,
             detail: str | None = None) -> None:
     """The line first (the survey is sockets only: it cannot crash), then the abort."""
-    rank = sidechannel.C.rank if sidechannel.C.rank >= 0 else _world("RANK", "?")
+    rank = S.side.rank if S.side.rank >= 0 else _world("RANK", "?")
     if detail is None and op is not None:
-        if sidechannel.ready():
+        if S.side.ready():
             try:
                 detail = _survey(op, step)[1]
             except Exception as e:  # a diagnosis must never stop the abort
