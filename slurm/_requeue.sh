@@ -116,8 +116,12 @@ zerompi_run() {
 # --open-mode=append); the next run resumes from the run dir's newest checkpoint.
 zerompi_requeue_or_exit() {
     local rc=$1 restart=${SLURM_RESTART_COUNT:-0}
-    if [ "$rc" -eq "$ZEROMPI_LOST_EXIT" ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
-        zerompi_await_node_verdict
+    if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+        if [ "$rc" -eq "$ZEROMPI_LOST_EXIT" ]; then
+            zerompi_await_node_verdict "ranks stopped answering (exit $ZEROMPI_LOST_EXIT, the watchdog line above names them)"
+        elif [ "$rc" -ne 0 ] && [ "$rc" -ne "$ZEROMPI_REQUEUE_EXIT" ] && [ "$_zerompi_usr1" = 0 ]; then
+            zerompi_silent_nodes "$rc"
+        fi
     fi
     if [ "$rc" -eq "$ZEROMPI_REQUEUE_EXIT" ]; then
         # Logged first: the requeue can end this run before `scontrol` even returns.
@@ -140,13 +144,43 @@ zerompi_requeue_or_exit() {
 # down within SlurmdTimeout + 30 s (LOST_NODE_WAIT), the ranks hung on live nodes: exit 3,
 # since a requeue would only repeat the hang.
 zerompi_await_node_verdict() {
-    local wait=${LOST_NODE_WAIT:-}
+    local why=$1 wait=${LOST_NODE_WAIT:-}
     if [ -z "$wait" ]; then
         wait=$(scontrol show config 2>/dev/null | awk '$1 == "SlurmdTimeout" {print $3 + 30}')
         wait=${wait:-330}
     fi
-    zerompi_log "ranks stopped answering (exit $ZEROMPI_LOST_EXIT, the watchdog line above names them):" \
-                "waiting up to ${wait} s for Slurm to declare a node down and requeue this job"
+    zerompi_log "$why: waiting up to ${wait} s for Slurm to declare a node down and requeue this job"
     sleep "$wait"
     zerompi_log "no node of this job went down: the ranks hung on live nodes; not requeueing"
+}
+
+# zerompi_silent_nodes RC: the launcher ended the job with RC before any rank could speak
+# (every process of a node killed while its kernel still answers: the survivors'
+# connections are reset and hydra, or srun --kill-on-bad-exit, ends the job at once, in
+# words that name no node). Ask every node of the job to run `true` (ZEROMPI_PROBE_S
+# each, in parallel) and say which did not; if some did not, wait for Slurm's verdict as
+# for exit 3. If all did, a process died on a live node: the launcher's lines above say
+# which.
+zerompi_silent_nodes() {
+    local rc=$1 probe=${ZEROMPI_PROBE_S:-20} node silent=() probes=() i=0
+    local nodes
+    mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null)
+    [ "${#nodes[@]}" -gt 1 ] || return 0
+    for node in "${nodes[@]}"; do
+        timeout -k 2 "$probe" srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --quiet \
+            --output=none --error=none true &
+        probes+=($!)
+    done
+    for node in "${nodes[@]}"; do
+        wait "${probes[$i]}" || silent+=("$node")
+        i=$((i + 1))
+    done
+    if [ "${#silent[@]}" -eq 0 ]; then
+        zerompi_log "the launcher ended the job (exit $rc); every node of the job answers: a process died" \
+                    "on a live node (the launcher's lines above name it)"
+        return 0
+    fi
+    local list
+    list=$(IFS=,; echo "${silent[*]}")
+    zerompi_await_node_verdict "the launcher ended the job (exit $rc); lost: node ${list} (${#silent[@]} of ${#nodes[@]} did not run a probe step within ${probe} s: processes killed or the node down)"
 }

@@ -6,9 +6,9 @@ Faults, applied to node 2 (ranks 2-3) once the run has trained past a checkpoint
   kill         every process of the node SIGKILLed, its link up (the kernel answers
                for the dead sockets: the survivors' connections are reset). The
                launcher sees its proxy's connection reset and ends the job at once,
-               before any deadline; its own message names no node (hydra: "control_cb
-               ... assert (!closed) failed"), and the ranks' output goes through it, so
-               no zerompi line can follow: what is checked is the ending, not a line
+               before any deadline, in words that name no node (hydra: "control_cb
+               ... assert (!closed) failed"); the batch script's line names it
+               (slurm/_requeue.sh, zerompi_silent_nodes)
   link-down    its link cut, every process left running (a failed cable or switch port)
   power        link cut, then every process killed (a node losing power)
   async-write  power, while a background checkpoint write (checkpoint.async_save, each
@@ -138,21 +138,22 @@ def _run(net, slurm, fault, timeout_s, tmp, facts) -> list[str]:
 
     line = None
     limit = timeout_s + 30
+    # kill: the batch script's line; otherwise the survivors' watchdog
+    said = r"^\[.*\] job \d+ restart 0: the launcher ended the job.*$" if fault == "kill" else \
+        r"^\[rank [01]\] zerompi watchdog: .*$"
     while line is None and time.monotonic() - t_lost < limit:
-        if fault == "kill" and not job_processes(net, ranks_only=True):
-            break
-        m = re.search(r"^\[rank [01]\] zerompi watchdog: .*$", _read(log), re.M)
+        m = re.search(said, _read(log), re.M)
         line = m and m.group(0)
         time.sleep(0.1)
     facts["line_s"] = round(time.monotonic() - t_lost, 1)
-    if fault == "kill":
-        facts["line_s"] = None  # the launcher ended the job (above): no line is expected
-    elif not line:
-        problems.append(f"no watchdog line from ranks 0-1 within {limit} s")
+    if not line:
+        problems.append(f"no line naming the lost node within {limit} s")
     else:
         facts["line"] = line
-        if f"ranks 2-3 (all of node {lost}) did not answer" not in line:
-            problems.append(f"the line does not name node {lost}'s ranks as silent: {line}")
+        named = f"lost: node {lost} (1 of 2 did not" if fault == "kill" else \
+            f"ranks 2-3 (all of node {lost}) did not answer"
+        if named not in line:
+            problems.append(f"the line does not name node {lost} as lost: {line}")
     while job_processes(net, ranks_only=True) and time.monotonic() - t_lost < limit:
         time.sleep(0.2)
     facts["ranks_gone_s"] = round(time.monotonic() - t_lost, 1)

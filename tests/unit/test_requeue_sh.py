@@ -54,3 +54,23 @@ def test_time_limit_requeues_are_not_failures(tmp_path):
     assert "ran" not in r.stdout
     r = bash("zerompi_run true; echo ran $ZEROMPI_RC", {**env, "SLURM_RESTART_COUNT": "13"})
     assert r.returncode == 0 and "ran 0" in r.stdout, r  # 13 restarts, 10 of them failures: the default allows it
+
+
+@pytest.mark.parametrize("dead,said", [
+    ("n2", "the launcher ended the job (exit 255); lost: node n2 (1 of 3 did not run a probe step within 5 s"),
+    ("", "the launcher ended the job (exit 255); every node of the job answers: a process died on a live node"),
+])
+def test_a_launcher_ending_names_the_nodes_that_do_not_answer(dead, said, tmp_path):
+    """A node's processes killed: hydra ends the job (exit 255) naming nobody. The
+    script probes each node with a step (srun and scontrol stubbed: node `dead`'s probe
+    fails) and names the silent one, then waits for Slurm's verdict as after exit 3;
+    every node answering means a crash on a live node: no wait, the launcher's code."""
+    (tmp_path / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "n1\\nn2\\nn3\\n"\n')
+    (tmp_path / "srun").write_text(f'#!/bin/sh\nfor a; do [ "$a" = "--nodelist={dead}" ] && exit 1; done\nexit 0\n')
+    for f in ("scontrol", "srun"):
+        (tmp_path / f).chmod(0o755)
+    r = bash("_zerompi_usr1=0; zerompi_requeue_or_exit 255",
+             {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "n[1-3]",
+              "ZEROMPI_PROBE_S": "5", "LOST_NODE_WAIT": "0"})
+    assert r.returncode == 255 and said in r.stdout, r
+    assert ("waiting up to 0 s for Slurm to declare a node down" in r.stdout) == bool(dead), r
