@@ -7,7 +7,8 @@ checked as the default suite checks its one run.
 - Node 2 of the simulated 2-node Slurm bed lost (tests/support/node_loss.py: kill, link
   down, power, loss during a background checkpoint write) at timeout_s 8 and 60,
   ZEROMPI_SOAK_RUNS runs in a row each (default 5): every run ends within timeout_s + 30 s
-  with a line naming the node's ranks (kill: the launcher ends it first), no crash
+  with a line naming the node (its ranks from the watchdog; kill: the launcher ends the
+  job first and the batch script's probe names the node), no crash
   report, nothing left running, and resumes on node 1.
 Each test prints one line per run (pytest -s shows them) and fails naming the runs that
 did not hold."""
