@@ -132,3 +132,29 @@ def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, 
         opt.step()
         losses.append(total)
     return losses, norms, grads0
+
+
+def whole_and_resumed(build, train, steps: int, split: int, path: str) -> dict:
+    """The resume check of the workers: `build()` gives a new engine, `train(engine,
+    first_step, count, record)` runs updates and appends what it records (losses, lrs) to
+    `record`. One engine runs `steps` updates uninterrupted; another runs `split`, saves to
+    `path`, and a third loads it and runs the rest. Returns the whole run's engine and
+    full state and record, the resumed engine and record, and max |param difference|
+    between the two runs over all ranks (0.0: bitwise the same)."""
+    from mpi4py import MPI
+
+    whole, whole_record = build(), []
+    train(whole, 0, steps, whole_record)
+    state = whole.full_state_dict(all_ranks=True)
+    first, resumed_record = build(), []
+    train(first, 0, split, resumed_record)
+    first.save_checkpoint(path)
+    del first
+    again = build()
+    again.load_checkpoint(path)
+    assert again.global_steps == split
+    train(again, split, steps - split, resumed_record)
+    got = again.full_state_dict(all_ranks=True)
+    diff = max((got[n] - state[n]).abs().max().item() for n in state)
+    return {"whole": whole, "state": state, "whole_record": whole_record, "resumed": again,
+            "resumed_record": resumed_record, "diff": MPI.COMM_WORLD.allreduce(diff, op=MPI.MAX)}

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from common import global_batch, make_model, micro_slices, vocab_of
+from common import global_batch, make_model, micro_slices, vocab_of, whole_and_resumed
 
 HP = {"sgd": {"lr": 0.05, "momentum": 0.9, "dampening": 0.0, "nesterov": True, "weight_decay": 0.01},
       "sgd_damp": {"lr": 0.05, "momentum": 0.8, "dampening": 0.3, "nesterov": False, "weight_decay": 0.0},
@@ -73,25 +73,16 @@ result = {}
 for case in a.cases.split(","):
     kind, stage = case.split(":")
     stage = int(stage)
-    eng, losses = engine_for(kind, stage), []
-    train(eng, 0, a.steps, losses)
-    got = eng.full_state_dict(all_ranks=True)
-    first = engine_for(kind, stage)
-    train(first, 0, a.split, [])
-    path = os.path.join(a.dir, case.replace(":", "-"))
-    first.save_checkpoint(path)
-    again = engine_for(kind, stage)
-    again.load_checkpoint(path)
-    train(again, a.split, a.steps - a.split, [])
-    resumed = again.full_state_dict(all_ranks=True)
-    resume_diff = world.allreduce(max((resumed[n] - got[n]).abs().max().item() for n in got), op=MPI.MAX)
+    r = whole_and_resumed(lambda: engine_for(kind, stage), train, a.steps, a.split,
+                          os.path.join(a.dir, case.replace(":", "-")))
+    got, losses = r["state"], r["whole_record"]
     if rank == 0:
         ref, ref_losses = reference(kind, 1)
         floor_p, _ = reference(kind, GAS * N)
         result[case] = {"max_diff": max((got[n] - ref[n]).abs().max().item() for n in ref),
                         "floor": max((floor_p[n] - ref[n]).abs().max().item() for n in ref),
-                        "losses": losses, "ref_losses": ref_losses, "resume_diff": resume_diff,
-                        "optimizer": type(eng.optimizer).__name__}
+                        "losses": losses, "ref_losses": ref_losses, "resume_diff": r["diff"],
+                        "optimizer": type(r["whole"].optimizer).__name__}
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import zerompi
 from zerompi.optim import ds_schedules
-from common import global_batch, make_model, micro_slices, vocab_of
+from common import global_batch, make_model, micro_slices, vocab_of, whole_and_resumed
 
 L = torch.optim.lr_scheduler
 TORCH = {
@@ -83,24 +83,10 @@ result = {}
 for case in a.cases.split(","):
     kind, stage = case.split(":")
     stage = int(stage)
-    whole, lrs_whole = build(kind, stage), []
-    train(whole, 0, a.steps, lrs_whole)
-    ref = whole.full_state_dict(all_ranks=True)
-    first, lrs_resumed = build(kind, stage), []
-    train(first, 0, a.split, lrs_resumed)
-    path = os.path.join(a.dir, f"{kind}-{stage}")
-    first.save_checkpoint(path)
-    del first
-    again = build(kind, stage)
-    again.load_checkpoint(path)
-    assert again.global_steps == a.split
-    train(again, a.split, a.steps - a.split, lrs_resumed)
-    got = again.full_state_dict(all_ranks=True)
-    diff = max((got[n] - ref[n]).abs().max().item() for n in ref)
-    diff = world.allreduce(diff, op=MPI.MAX)
+    r = whole_and_resumed(lambda: build(kind, stage), train, a.steps, a.split, os.path.join(a.dir, f"{kind}-{stage}"))
     if rank == 0:
-        result[case] = {"whole": lrs_whole, "resumed": lrs_resumed, "formula": formula(kind, a.steps),
-                        "param_diff": diff, "sched": type(again.lr_scheduler).__name__}
+        result[case] = {"whole": r["whole_record"], "resumed": r["resumed_record"], "formula": formula(kind, a.steps),
+                        "param_diff": r["diff"], "sched": type(r["resumed"].lr_scheduler).__name__}
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)
