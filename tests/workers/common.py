@@ -1,6 +1,8 @@
 """Shared pieces of the MPI test workers: test models, batches, the reference run."""
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn as nn
 
@@ -107,13 +109,14 @@ def micro_slices(rows: int, gas: int, rank: int, world: int) -> list[slice]:
 
 def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, clip: float,
                   micro: int = 1, wd: float = 0.01, groups: bool = False, grad_step: int = 0,
-                  device=None):
-    """Single-process torch.optim.AdamW on the whole global batch; `micro` > 1 sums
-    the same batch in that many pieces (same maths, other rounding: the noise floor)."""
+                  device=None, optimizer=None):
+    """Single-process torch.optim.AdamW (or `optimizer(params)`, whose own settings then
+    stand for lr and wd) on the whole global batch; `micro` > 1 sums the same batch in
+    that many pieces (same maths, other rounding: the noise floor)."""
     from zerompi.optim import decay_groups
 
     params = decay_groups(model, 0.1) if groups else [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
+    opt = optimizer(params) if optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
     losses, norms, grads0 = [], [], None
     for step in range(steps):
         x, y = global_batch(step, rows, seq, vocab_of(model), device)
@@ -132,6 +135,17 @@ def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, 
         opt.step()
         losses.append(total)
     return losses, norms, grads0
+
+
+def resume_cases_parser() -> argparse.ArgumentParser:
+    """The arguments of a worker that runs whole_and_resumed for each of --cases."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--cases", required=True, help="kind:stage,...")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--split", type=int, default=3)
+    return ap
 
 
 def whole_and_resumed(build, train, steps: int, split: int, path: str) -> dict:

@@ -4,7 +4,6 @@ engine with a new scheduler and continued. Rank 0 writes per case: the lrs of ev
 of both runs, the same schedule's lrs on a plain torch AdamW (torch's / DeepSpeed's
 formula), and max |param difference| between the two runs (every rank's view agrees)."""
 from zerompi.runtime import pause_collector; pause_collector()
-import argparse
 import json
 import os
 
@@ -13,7 +12,7 @@ from mpi4py import MPI
 
 import zerompi
 from zerompi.optim import ds_schedules
-from common import global_batch, make_model, micro_slices, vocab_of, whole_and_resumed
+from common import global_batch, make_model, micro_slices, resume_cases_parser, vocab_of, whole_and_resumed
 
 L = torch.optim.lr_scheduler
 TORCH = {
@@ -31,13 +30,7 @@ DS = {
                  "decay_lr_rate": 0.5},
 }
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
-ap.add_argument("--dir", required=True)
-ap.add_argument("--cases", required=True, help="kind:stage,...")
-ap.add_argument("--steps", type=int, default=6)
-ap.add_argument("--split", type=int, default=3)
-a = ap.parse_args()
+a = resume_cases_parser().parse_args()
 world = MPI.COMM_WORLD
 rank, N = world.rank, world.size
 GAS, ROWS, SEQ = 2, 12, 8
