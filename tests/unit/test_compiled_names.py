@@ -65,3 +65,17 @@ def test_compiled_and_plain_checkpoints_have_the_same_names_and_load_into_each_o
         got = dst.full_state_dict()
         assert list(got) == names and all(torch.equal(got[n], want[n]) for n in names), src
         assert _step(dst, 2) == _step(plain if src == "plain" else compiled, 2), src
+
+
+def test_a_compiled_models_state_dict_loads_by_its_own_names():
+    """`torch.compile(model).state_dict()` keys start with `_orig_mod.`; the engine of a
+    compiled model, named as the model, takes them (and a plain one's)."""
+    torch.manual_seed(1)
+    source = GPT(PRESETS["tiny"])
+    wrapped = torch.compile(source, backend="eager").state_dict()
+    assert all(k.startswith("_orig_mod.") for k in wrapped)
+    for sd in (wrapped, source.state_dict()):
+        engine = _engine(3, "eager")
+        assert engine.load_full_state_dict(sd) == ([], [])
+        got = engine.full_state_dict()
+        assert all(torch.equal(got[n], p) for n, p in source.named_parameters())
