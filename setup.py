@@ -39,11 +39,12 @@ setup(
         # nvrtc: CI compiles cuda_src/ with NVRTC exactly as CuPy does at run time;
         # tensorboard, wandb: the trainer's logging is read back (offline W&B: no network)
         "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "accelerate>=1.1", "nvidia-cuda-nvrtc-cu12",
-                 "pyarrow>=12", "tensorboard>=2.10", "wandb>=0.16"],
+                 "pyarrow>=12", "datasets>=2.14", "tensorboard>=2.10", "wandb>=0.16"],
         # the Hugging Face Trainer on zerompi (zerompi/integrations/transformers.py): the Trainer needs accelerate
         "hf": ["transformers>=4.40", "accelerate>=1.1"],
-        # python -m zerompi.prepare: Parquet input and tokenizer.json tokenizers (docs/data.md)
-        "data": ["pyarrow>=12", "tokenizers>=0.15"],
+        # python -m zerompi.prepare: Parquet input, tokenizer.json tokenizers and datasets
+        # save_to_disk folders (docs/data.md)
+        "data": ["pyarrow>=12", "tokenizers>=0.15", "datasets>=2.14"],
     },
     entry_points={"console_scripts": [
         "zerompi-train=zerompi.train:main",

@@ -10,7 +10,6 @@ import pytest
 
 from tiny_corpus import documents, train_tokenizer, write_jsonl, write_parquet
 from zerompi.data import prepare as prep
-from zerompi.data.readers import PrepareError
 
 
 @pytest.fixture(scope="module")
@@ -100,22 +99,6 @@ def test_bad_input_is_one_line_exit_2(inputs, tmp_path, capsys, case, needle):
     assert main(args + ["--out", str(tmp_path / "o"), "--progress", "none"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and err.startswith("zerompi.prepare: error:"), err
-
-
-def test_datasets_folder(tmp_path):
-    """A Hugging Face save_to_disk folder: read when `datasets` imports, else one line."""
-    try:
-        import datasets
-    except ImportError:
-        (tmp_path / "ds").mkdir()
-        (tmp_path / "ds" / "state.json").write_text("{}")
-        with pytest.raises(PrepareError, match="the datasets package is not installed"):
-            prep.prepare([str(tmp_path / "ds")], str(tmp_path / "o"), progress=False)
-        return
-    docs = documents(40, seed=2)
-    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))
-    r = prep.prepare([str(tmp_path / "ds")], str(tmp_path / "o"), progress=False)
-    assert r["manifest"]["docs"]["train"] == 40 and r["manifest"]["tokens"]["train"] == sum(map(len, docs))
 
 
 def test_the_trainer_reads_a_prepare_folder_and_refuses_an_unfinished_one_or_mixed_tokenizers(inputs, tmp_path):

@@ -1,6 +1,8 @@
 """Shared pieces of the MPI test workers: test models, batches, the reference run."""
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn as nn
 
@@ -107,13 +109,14 @@ def micro_slices(rows: int, gas: int, rank: int, world: int) -> list[slice]:
 
 def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, clip: float,
                   micro: int = 1, wd: float = 0.01, groups: bool = False, grad_step: int = 0,
-                  device=None):
-    """Single-process torch.optim.AdamW on the whole global batch; `micro` > 1 sums
-    the same batch in that many pieces (same maths, other rounding: the noise floor)."""
+                  device=None, optimizer=None):
+    """Single-process torch.optim.AdamW (or `optimizer(params)`, whose own settings then
+    stand for lr and wd) on the whole global batch; `micro` > 1 sums the same batch in
+    that many pieces (same maths, other rounding: the noise floor)."""
     from zerompi.optim import decay_groups
 
     params = decay_groups(model, 0.1) if groups else [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
+    opt = optimizer(params) if optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
     losses, norms, grads0 = [], [], None
     for step in range(steps):
         x, y = global_batch(step, rows, seq, vocab_of(model), device)
@@ -132,3 +135,40 @@ def reference_run(model: nn.Module, steps: int, rows: int, seq: int, lr: float, 
         opt.step()
         losses.append(total)
     return losses, norms, grads0
+
+
+def resume_cases_parser() -> argparse.ArgumentParser:
+    """The arguments of a worker that runs whole_and_resumed for each of --cases."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--cases", required=True, help="kind:stage,...")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--split", type=int, default=3)
+    return ap
+
+
+def whole_and_resumed(build, train, steps: int, split: int, path: str) -> dict:
+    """The resume check of the workers: `build()` gives a new engine, `train(engine,
+    first_step, count, record)` runs updates and appends what it records (losses, lrs) to
+    `record`. One engine runs `steps` updates uninterrupted; another runs `split`, saves to
+    `path`, and a third loads it and runs the rest. Returns the whole run's engine and
+    full state and record, the resumed engine and record, and max |param difference|
+    between the two runs over all ranks (0.0: bitwise the same)."""
+    from mpi4py import MPI
+
+    whole, whole_record = build(), []
+    train(whole, 0, steps, whole_record)
+    state = whole.full_state_dict(all_ranks=True)
+    first, resumed_record = build(), []
+    train(first, 0, split, resumed_record)
+    first.save_checkpoint(path)
+    del first
+    again = build()
+    again.load_checkpoint(path)
+    assert again.global_steps == split
+    train(again, split, steps - split, resumed_record)
+    got = again.full_state_dict(all_ranks=True)
+    diff = max((got[n] - state[n]).abs().max().item() for n in state)
+    return {"whole": whole, "state": state, "whole_record": whole_record, "resumed": again,
+            "resumed_record": resumed_record, "diff": MPI.COMM_WORLD.allreduce(diff, op=MPI.MAX)}

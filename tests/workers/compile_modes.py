@@ -4,7 +4,8 @@
 stages asked for, in one process (a case may reuse
 the graphs an earlier one compiled, as a second model of the same classes does). Writes,
 per case, the losses, the graphs compiled so far after each step (a recompile adds
-graphs), the calls of compiled graphs, and the largest difference of the final fp32 parameters from the eager run of its stage.
+graphs), the calls of compiled graphs, the largest difference of the final fp32 parameters
+from the eager run of its stage, and whether their names are the eager run's.
 
 Backend: a counting wrapper around --backend (aot_eager in the tests: the point is which
 graphs are captured and what they compute, not inductor's code; inductor's own run is
@@ -50,7 +51,7 @@ def run(stage: int, mode: str, backend) -> dict:
         engine.eval()
         _, val = engine(x, x)
         engine.train()
-    full = {k.removeprefix("_orig_mod."): v for k, v in engine.full_state_dict().items()}
+    full = engine.full_state_dict()  # a whole compiled model's names too: no _orig_mod. (same_names)
     return {"losses": losses, "val": val.item(), "graphs": graphs, "full": full,
             "calls": backend.calls - calls0}
 

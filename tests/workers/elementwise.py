@@ -4,7 +4,6 @@ case (saved after --split steps, loaded into a new engine, continued: bitwise th
 parameters as the uninterrupted run). Rank 0 writes per case max |param - reference|,
 the losses, and the noise floor (the reference with the batch summed in N*GAS pieces)."""
 from zerompi.runtime import pause_collector; pause_collector()
-import argparse
 import json
 import os
 
@@ -12,19 +11,15 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from common import global_batch, make_model, micro_slices, vocab_of
+from common import (global_batch, make_model, micro_slices, reference_run, resume_cases_parser, vocab_of,
+                    whole_and_resumed)
 
 HP = {"sgd": {"lr": 0.05, "momentum": 0.9, "dampening": 0.0, "nesterov": True, "weight_decay": 0.01},
       "sgd_damp": {"lr": 0.05, "momentum": 0.8, "dampening": 0.3, "nesterov": False, "weight_decay": 0.0},
       "adagrad": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10}}
 TORCH = {"sgd": torch.optim.SGD, "sgd_damp": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
-ap.add_argument("--dir", required=True)
-ap.add_argument("--cases", required=True, help="kind:stage,...")
-ap.add_argument("--steps", type=int, default=6)
-ap.add_argument("--split", type=int, default=3)
+ap = resume_cases_parser()
 ap.add_argument("--clip", type=float, default=0.5)
 a = ap.parse_args()
 world = MPI.COMM_WORLD
@@ -34,20 +29,8 @@ GAS, ROWS, SEQ = 2, 12 * N, 8
 
 def reference(kind, micro):
     model = make_model("odd")
-    opt = TORCH[kind]([p for p in model.parameters() if p.requires_grad], foreach=False, **HP[kind])
-    losses = []
-    for step in range(a.steps):
-        x, y = global_batch(step, ROWS, SEQ, vocab_of(model))
-        opt.zero_grad()
-        tot = 0.0
-        for m in range(micro):
-            sl = slice(m * ROWS // micro, (m + 1) * ROWS // micro)
-            _, loss = model(x[sl], y[sl])
-            (loss / micro).backward()
-            tot += loss.item() / micro
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], a.clip)
-        opt.step()
-        losses.append(tot)
+    losses, _, _ = reference_run(model, a.steps, ROWS, SEQ, HP[kind]["lr"], a.clip, micro,
+                                 optimizer=lambda ps: TORCH[kind](ps, foreach=False, **HP[kind]))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
@@ -73,25 +56,16 @@ result = {}
 for case in a.cases.split(","):
     kind, stage = case.split(":")
     stage = int(stage)
-    eng, losses = engine_for(kind, stage), []
-    train(eng, 0, a.steps, losses)
-    got = eng.full_state_dict(all_ranks=True)
-    first = engine_for(kind, stage)
-    train(first, 0, a.split, [])
-    path = os.path.join(a.dir, case.replace(":", "-"))
-    first.save_checkpoint(path)
-    again = engine_for(kind, stage)
-    again.load_checkpoint(path)
-    train(again, a.split, a.steps - a.split, [])
-    resumed = again.full_state_dict(all_ranks=True)
-    resume_diff = world.allreduce(max((resumed[n] - got[n]).abs().max().item() for n in got), op=MPI.MAX)
+    r = whole_and_resumed(lambda: engine_for(kind, stage), train, a.steps, a.split,
+                          os.path.join(a.dir, case.replace(":", "-")))
+    got, losses = r["state"], r["whole_record"]
     if rank == 0:
         ref, ref_losses = reference(kind, 1)
         floor_p, _ = reference(kind, GAS * N)
         result[case] = {"max_diff": max((got[n] - ref[n]).abs().max().item() for n in ref),
                         "floor": max((floor_p[n] - ref[n]).abs().max().item() for n in ref),
-                        "losses": losses, "ref_losses": ref_losses, "resume_diff": resume_diff,
-                        "optimizer": type(eng.optimizer).__name__}
+                        "losses": losses, "ref_losses": ref_losses, "resume_diff": r["diff"],
+                        "optimizer": type(r["whole"].optimizer).__name__}
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

@@ -4,7 +4,6 @@ engine with a new scheduler and continued. Rank 0 writes per case: the lrs of ev
 of both runs, the same schedule's lrs on a plain torch AdamW (torch's / DeepSpeed's
 formula), and max |param difference| between the two runs (every rank's view agrees)."""
 from zerompi.runtime import pause_collector; pause_collector()
-import argparse
 import json
 import os
 
@@ -13,7 +12,7 @@ from mpi4py import MPI
 
 import zerompi
 from zerompi.optim import ds_schedules
-from common import global_batch, make_model, micro_slices, vocab_of
+from common import global_batch, make_model, micro_slices, resume_cases_parser, vocab_of, whole_and_resumed
 
 L = torch.optim.lr_scheduler
 TORCH = {
@@ -31,13 +30,7 @@ DS = {
                  "decay_lr_rate": 0.5},
 }
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
-ap.add_argument("--dir", required=True)
-ap.add_argument("--cases", required=True, help="kind:stage,...")
-ap.add_argument("--steps", type=int, default=6)
-ap.add_argument("--split", type=int, default=3)
-a = ap.parse_args()
+a = resume_cases_parser().parse_args()
 world = MPI.COMM_WORLD
 rank, N = world.rank, world.size
 GAS, ROWS, SEQ = 2, 12, 8
@@ -83,24 +76,10 @@ result = {}
 for case in a.cases.split(","):
     kind, stage = case.split(":")
     stage = int(stage)
-    whole, lrs_whole = build(kind, stage), []
-    train(whole, 0, a.steps, lrs_whole)
-    ref = whole.full_state_dict(all_ranks=True)
-    first, lrs_resumed = build(kind, stage), []
-    train(first, 0, a.split, lrs_resumed)
-    path = os.path.join(a.dir, f"{kind}-{stage}")
-    first.save_checkpoint(path)
-    del first
-    again = build(kind, stage)
-    again.load_checkpoint(path)
-    assert again.global_steps == a.split
-    train(again, a.split, a.steps - a.split, lrs_resumed)
-    got = again.full_state_dict(all_ranks=True)
-    diff = max((got[n] - ref[n]).abs().max().item() for n in ref)
-    diff = world.allreduce(diff, op=MPI.MAX)
+    r = whole_and_resumed(lambda: build(kind, stage), train, a.steps, a.split, os.path.join(a.dir, f"{kind}-{stage}"))
     if rank == 0:
-        result[case] = {"whole": lrs_whole, "resumed": lrs_resumed, "formula": formula(kind, a.steps),
-                        "param_diff": diff, "sched": type(again.lr_scheduler).__name__}
+        result[case] = {"whole": r["whole_record"], "resumed": r["resumed_record"], "formula": formula(kind, a.steps),
+                        "param_diff": r["diff"], "sched": type(r["resumed"].lr_scheduler).__name__}
 if rank == 0:
     with open(a.out, "w") as f:
         json.dump(result, f)

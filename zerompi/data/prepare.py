@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .readers import PrepareError, Tokenizer, Unit, documents, input_files, plan, token_dtype
+from .readers import PrepareError, Tokenizer, Unit, documents, input_files, input_stamp, plan, token_dtype
 
 FORMAT, VERSION = "zerompi-tokens", 1
 _VAL_STREAM = 0x56414C  # "VAL": the split's draws, apart from other users of the seed
@@ -59,7 +59,7 @@ def write_shard(path: pathlib.Path, tokens: np.ndarray, offsets: np.ndarray, att
 
 
 def _plan_key(unit: Unit, settings: dict) -> str:
-    what = {"unit": unit.describe(), "size": os.path.getsize(unit.path) if unit.kind != "hf" else 0, **settings}
+    what = {"unit": unit.describe(), "size": input_stamp(unit.path, unit.kind), **settings}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 

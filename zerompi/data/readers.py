@@ -45,6 +45,28 @@ def _is_hf_dir(p: pathlib.Path) -> bool:
     return (p / "dataset_info.json").is_file() or (p / "state.json").is_file()
 
 
+def _refuse_dataset_dict(p: pathlib.Path) -> None:
+    """A DatasetDict's save_to_disk folder holds one folder per split (and no text files):
+    the user names the split (no datasets import needed to say so)."""
+    try:
+        splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = sorted(d.name for d in p.iterdir() if d.is_dir() and _is_hf_dir(d))
+    raise PrepareError(f"input {p}: a DatasetDict ({', '.join(splits)}): name one split's folder "
+                       f"({p / splits[0] if splits else p / 'SPLIT'})")
+
+
+def input_stamp(path: str, kind: str) -> int | list:
+    """What tells this input from an edited one of the same name for a resume: a file's
+    size; a datasets folder's state.json (its fingerprint) and data file sizes, since a
+    folder saved again with other text keeps its row count."""
+    if kind != "hf":
+        return os.path.getsize(path)
+    p = pathlib.Path(path)
+    state = (p / "state.json").read_text() if (p / "state.json").is_file() else ""
+    return [state] + [[f.name, f.stat().st_size] for f in sorted(p.iterdir()) if f.is_file()]
+
+
 def input_files(inputs: list[str]) -> list[tuple[str, str]]:
     """(path, kind) of every input in order; folders walked in sorted order."""
     out = []
@@ -52,6 +74,8 @@ def input_files(inputs: list[str]) -> list[tuple[str, str]]:
         p = pathlib.Path(item)
         if not p.exists():
             raise PrepareError(f"input {item}: no such file or folder")
+        if p.is_dir() and (p / "dataset_dict.json").is_file():
+            _refuse_dataset_dict(p)
         if p.is_dir() and _is_hf_dir(p):
             out.append((str(p), "hf"))
         elif p.is_dir():
@@ -126,9 +150,22 @@ def _load_hf(path: str):
         raise PrepareError(f"input {path}: a Hugging Face datasets folder, but the datasets package is not "
                            "installed (pip install datasets)") from None
     ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        raise PrepareError(f"input {path}: a DatasetDict ({', '.join(ds)}); name one split's folder")
+    if isinstance(ds, datasets.DatasetDict):  # input_files refuses these first; kept for a direct call
+        raise PrepareError(f"input {path}: a DatasetDict ({', '.join(ds)}): name one split's folder")
     return ds
+
+
+def _hf_text_column(unit: Unit, field: str):
+    """The unit's dataset reduced to its `field` column, which must hold strings: another
+    type would be read as empty documents."""
+    ds = _load_hf(unit.path)
+    if field not in ds.column_names:
+        raise PrepareError(f"input {unit.path}: no column {field!r} (--field; columns: "
+                           f"{', '.join(ds.column_names)})")
+    kind = getattr(ds.features[field], "dtype", type(ds.features[field]).__name__)
+    if kind not in ("string", "large_string"):
+        raise PrepareError(f"input {unit.path}: column {field!r} (--field) holds {kind}, not text")
+    return ds.select_columns([field])  # the slices below then read no other column
 
 
 def documents(unit: Unit, field: str, text_docs: str, batch: int = 1024):
@@ -172,10 +209,7 @@ def documents(unit: Unit, field: str, text_docs: str, batch: int = 1024):
         for rb in pf.iter_batches(batch_size=batch, row_groups=range(unit.start, unit.stop), columns=[field]):
             yield [v if isinstance(v, str) else "" for v in rb.column(0).to_pylist()]
     else:
-        ds = _load_hf(unit.path)
-        if field not in ds.column_names:
-            raise PrepareError(f"input {unit.path}: no column {field!r} (--field; columns: "
-                               f"{', '.join(ds.column_names)})")
+        ds = _hf_text_column(unit, field)
         for a in range(unit.start, unit.stop, batch):
             yield [v if isinstance(v, str) else "" for v in ds[a:min(a + batch, unit.stop)][field]]
 

@@ -65,9 +65,6 @@ class NodeLayout:
     def node_of(self, rank: int) -> int:
         return next(i for i, rs in enumerate(self.ranks) if rank in rs)
 
-    def host_of(self, rank: int) -> str:
-        return self.names[self.node_of(rank)]
-
     def describe(self) -> str:
         n = sum(len(r) for r in self.ranks)
         return (f"{n} rank{'s' if n != 1 else ''} on {self.count} node{'s' if self.count != 1 else ''} "

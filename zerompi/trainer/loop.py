@@ -202,31 +202,29 @@ def run(cfg, nodes) -> int:
         _init_from(engine, cfg, family, dims)
     # the epoch walk goes on where the checkpoint left it (older checkpoints: step x batch)
     train_data.resume_at(start_step, int(client.get("data_position", start_step * B)) if client else 0)
-    def info(line: str) -> None:
-        say(line, rank=dims.rank, prog=PROG, err=False)
 
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1) + "\n")
         _trim_metrics(metrics_path, start_step, client.get("metrics") if client else None)
-        info(f"{n_total / 1e6:.2f}M-parameter {'Llama' if family == 'llama' else 'GPT'} "
-             f"({cfg.init_from or cfg.model.config or cfg.model.preset}), "
-             f"{dims.world.size} ranks x {threads} threads"
-             + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
-             + f", ZeRO stage {cfg.zero.stage} "
-             f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
-             + (f"blocks compiled ({cfg.compile_backend}), " if cfg.compile else "") +
-             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
-             + (f"; epoch order: {train_data.num_windows():,} windows, {train_data.num_windows() / B:.1f} steps "
-                "per epoch" if cfg.data_order == "epoch" else "")
-             + ("; no attention across documents (doc_mask)" if cfg.doc_mask else ""))
-        info(f"run_dir {run_dir}; "
-             + (f"resumed at step {start_step}" if start_step else "starting at step 0")
-             + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
-                "GFLOP/s per rank (set peak_flops)"))
+        _info(f"{n_total / 1e6:.2f}M-parameter {'Llama' if family == 'llama' else 'GPT'} "
+              f"({cfg.init_from or cfg.model.config or cfg.model.preset}), "
+              f"{dims.world.size} ranks x {threads} threads"
+              + (f" (dp {dims.dp_size} x tp {dims.tp_size})" if dims.tp_size > 1 else "")
+              + f", ZeRO stage {cfg.zero.stage} "
+              f"{cfg.zero.precision}, {B} seqs x {T} tokens per step ({G} micro-steps), "
+              + (f"blocks compiled ({cfg.compile_backend}), " if cfg.compile else "") +
+              f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
+              + (f"; epoch order: {train_data.num_windows():,} windows, {train_data.num_windows() / B:.1f} steps "
+                 "per epoch" if cfg.data_order == "epoch" else "")
+              + ("; no attention across documents (doc_mask)" if cfg.doc_mask else ""))
+        _info(f"run_dir {run_dir}; "
+              + (f"resumed at step {start_step}" if start_step else "starting at step 0")
+              + ("" if cfg.peak_flops else f"; MFU~ against an assumed CPU peak of {peak / 1e9:.0f} "
+                 "GFLOP/s per rank (set peak_flops)"))
         note = batch_note(B, G, dims.dp_size)
         if note:
-            info(note)
+            _info(note)
     dims.world.barrier()  # sync: run_dir exists before anyone writes to it
     progress = Progress(cfg, metrics_path, start_step, mfu_label, active=dims.rank == 0)
     checkpoints = TrainCheckpoints(engine, ckpt_dir, cfg, progress.note)
@@ -245,6 +243,11 @@ def run(cfg, nodes) -> int:
     return code
 
 
+def _info(line: str) -> None:
+    """A line of the run's header on stdout; its callers are rank 0's."""
+    say(line, rank=0, prog=PROG, err=False)
+
+
 def _init_from(engine, cfg, family: str, dims) -> None:
     """The weights of the HF checkpoint cfg.init_from, streamed into the engine."""
     from ..models.hf_names import gpt_activation_note
@@ -260,8 +263,7 @@ def _init_from(engine, cfg, family: str, dims) -> None:
         raise err from None
     if dims.rank == 0:
         note = gpt_activation_note(read_hf_config(cfg.init_from)) if family == "gpt" else None
-        say(f"weights from {cfg.init_from} ({time.perf_counter() - t0:.1f} s)" + (f"; note: {note}" if note else ""),
-            rank=0, prog=PROG, err=False)
+        _info(f"weights from {cfg.init_from} ({time.perf_counter() - t0:.1f} s)" + (f"; note: {note}" if note else ""))
 
 
 def _loop(run: Run) -> int:

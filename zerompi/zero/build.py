@@ -3,12 +3,28 @@ parameters once each, the placement their device gives every buffer, and the opt
 over the shard's segments."""
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 
 from ..device import Placement
 from ..optim import ShardedAdamW, elementwise, host_fused
 from .state import ShardState
+
+
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the module the engine names, partitions and checkpoints, the module its forward
+    calls). torch.compile(model) returns a wrapper holding the model as `_orig_mod`, so
+    every name under it starts with `_orig_mod.`: the engine works on the model inside,
+    so that checkpoints, full_state_dict and exports carry the model's own names and load
+    across compiled and uncompiled runs, and calls the wrapper, so the forward stays
+    compiled (the wrapper runs the inner module's hooks outside its graph)."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    inner = model
+    while frame is not None and isinstance(inner, frame.OptimizedModule):
+        inner = inner._orig_mod
+    return inner, model
 
 
 def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -48,6 +48,7 @@ class ZeroEngine(calls.EngineFace):
                  param_groups: Sequence[dict] | None = None, dims: Any = None):
         cfg = self.config = config_mod.load(config)
         runtime.fix_mmap_threshold()  # ZEROMPI_MALLOC=return: less RSS, slower steps (runtime/malloc.py)
+        model, self._called = build.unwrap_compiled(model)  # torch.compile's wrapper: called, not named
         named = build.unique_params(model)
         placement = build.placement_of(named)  # the model's device: every buffer of state lives there
         if dims is None:
@@ -55,8 +56,7 @@ class ZeroEngine(calls.EngineFace):
             dims = ParallelDims.from_config(cfg, device=placement.device if placement.is_cuda else None)
         build.check_dims_device(dims, placement)
         self.dims, self.comm = dims, dims.dp  # ZeRO partitions over the data-parallel group
-        self.module = model
-        self.rank, self.world = self.comm.rank, self.comm.size
+        self.module, self.rank, self.world = model, self.comm.rank, self.comm.size
         self.dtype = DTYPES[cfg.precision]
         self.mixed = self.dtype != torch.float32
         parts = self.parts = PARTS[cfg.stage]
@@ -145,7 +145,7 @@ class ZeroEngine(calls.EngineFace):
         self.param_store.start_forward()
         # No try/finally: after an exception nothing may communicate (see backward).
         with self._explained():
-            out = self.module(*args, **kwargs)
+            out = self._called(*args, **kwargs)
         self.param_store.finish_forward()
         return out
 
@@ -162,7 +162,7 @@ class ZeroEngine(calls.EngineFace):
                                f"micro-step {self.micro_steps + 1}]") from e
 
     def train(self, mode: bool = True) -> "ZeroEngine":
-        self.module.train(mode)
+        self._called.train(mode)  # the wrapper's flag and its model's
         return self
 
     def eval(self) -> "ZeroEngine":

@@ -12,7 +12,8 @@ working precision before they reach the master. Here the master gets them exactl
 
 Keys are matched like `model.state_dict()`: every name under which a parameter or
 persistent buffer is reachable (tied weights have several; any one of them suffices,
-and several must agree). Frozen parameters and buffers, replicated on every rank, are
+and several must agree); a whole compiled model's keys (`_orig_mod.` first) as the
+model's own. Frozen parameters and buffers, replicated on every rank, are
 copied as they are. Optimizer moments are left as they are.
 
 Streaming: `state_dict` may be any Mapping whose values are read when asked for (models/
@@ -79,6 +80,20 @@ def _plan(sd: dict, by_key: dict, groups: list[list[str]], strict: bool):
     return (use, missing, unexpected), None
 
 
+def _own_names(sd):
+    """A torch.compile wrapper's state_dict() (every key under `_orig_mod.`) in the
+    model's own names, which the engine uses (zero/build.py unwrap_compiled)."""
+    wrapped = "_orig_mod."
+    if not isinstance(sd, dict) or not any(k.startswith(wrapped) for k in sd):
+        return sd
+    own = {}
+    for k, v in sd.items():
+        while k.startswith(wrapped):
+            k = k[len(wrapped):]
+        own[k] = v
+    return own
+
+
 @torch.no_grad()
 def load_full_state_dict(engine, state_dict: dict | None, strict: bool = True) -> LoadResult:
     """See the module docstring. Collective over the engine's data-parallel group."""
@@ -91,6 +106,7 @@ def load_full_state_dict(engine, state_dict: dict | None, strict: bool = True) -
         if state_dict is None:
             msg = "rank 0 must pass the state dict (the other ranks pass None)"
         else:
+            state_dict = _own_names(state_dict)
             plan, msg = _plan(state_dict, by_key, groups, strict)
     plan, msg = comm.bcast_object((plan, msg), root=0)
     if msg is not None:
