@@ -79,16 +79,6 @@ def test_async_checkpoint(tmp_path):
     replotted("bench_async_checkpoint.py", out)
 
 
-def test_calibrate_comm(tmp_path):
-    out = tmp_path / "cal.json"
-    bench("calibrate_comm.py", "--nranks", "2", "--repeats", "1", "--min-log2", "10", "--max-log2", "12",
-          "--batches", "1", "--seconds-per-point", "0.01", "--buckets", "12", "--model", "tiny", "--warmup", "1",
-          "--steps", "1", "--replays", "1", "--max-busy", "1", "--out", out)
-    res = json.loads(out.read_text())
-    assert res["fits"]["2"] and res["analysis"]["table"], res.keys()
-    replotted("calibrate_comm.py", out)
-
-
 def test_nodes(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     from netcluster import available
