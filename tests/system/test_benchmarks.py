@@ -69,16 +69,6 @@ def test_checkpoint(tmp_path):
     replotted("bench_checkpoint.py", out)
 
 
-def test_async_checkpoint(tmp_path):
-    out = tmp_path / "ack.json"
-    bench("bench_async_checkpoint.py", "--model", "tiny", "--vocab", "0", "--ranks", "1",
-          "--stages", "2", "--gap", "1", "--tokens", "32", "--order", "sync,thread,process", "--workdir", tmp_path / "work",
-          "--out", out)
-    s = json.loads(out.read_text())["summary"][0]
-    assert s["n"] == 1 and {"sync", "thread", "process"} <= set(s), s
-    replotted("bench_async_checkpoint.py", out)
-
-
 def test_nodes(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     from netcluster import available
