@@ -5,8 +5,7 @@ negligible and what is left is the host's work: per step, zerompi stages 0-3 aga
 torch (fp32 parameters, bf16 autocast, clip_grad_norm_(foreach=True), AdamW(fused=True)).
 
     python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1,2,4
-    python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1 --out P.json
-    python benchmarks/bench_host_proxy.py --calibrate RUN/e2e.json,RUN/e2e_1b.json   # refit on a GPU run
+    python benchmarks/bench_host_proxy.py --replot benchmarks/results/host_proxy_vm-xeon_202611.json
 
 Per run (world 1, in this process; after --warmup steps): wall and process CPU seconds a
 step (and wall by phase), and over --count-steps steps the counts of host_proxy_count.py:
@@ -22,8 +21,6 @@ CPU executor's arithmetic is device work on a GPU: a fast stand-in, host_proxy_c
 --exact-optimizer runs the numpy references). --storage-swap gpu (default): stage 3 as with
 the GPU machine's torch 2.11, which lacks UntypedStorage._swap_data_ptr_.
 
-The prediction (host_proxy_fit.py, docs/performance.md): the H100 step time of each run from
-these counts and a few constants fitted to the measured H100 runs; `predicted` in the JSON.
 Writes --out (default benchmarks/results/host_proxy_<machine>_<yyyymm>.json) and a PNG
 beside it. Needs a working MPI even at world 1 (the engine's communicators are MPI's);
 without one it stops with one line saying so (exit 2).
@@ -45,8 +42,8 @@ import torch
 
 from harness import HERE, ROOT, machine_info, result_path  # first: this checkout's zerompi on sys.path
 import host_proxy_count as hc  # noqa: E402
-import host_proxy_fit as fit  # noqa: E402
 import host_proxy_skeleton as hs  # noqa: E402
+
 
 def mpi_problem() -> str | None:
     """Why MPI cannot start here (None when it can), from a child process: a broken MPI
@@ -293,13 +290,8 @@ def parse(argv=None):
     ap.add_argument("--exact-optimizer", action="store_true",
                     help="run the fused optimizer's numpy references (slow) instead of the fast stand-in")
     ap.add_argument("--rank-timeout", type=float, default=300.0, help="seconds for each mpiexec job")
-    ap.add_argument("--calibrate", default="", metavar="E2E_JSON[,...]",
-                    help="refit the prediction on these GPU runs (bench_gpu_e2e.py JSON) instead of the "
-                         "H100 runs under benchmarks/results/gpu/")
-    ap.add_argument("--constants", default="", metavar="PROXY_JSON",
-                    help="predict with the constants fitted in an earlier result (e.g. at the code the GPU "
-                         "runs measured) instead of fitting to this code's counts")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG beside a result JSON from the JSON alone")
     ap.add_argument("--out", default=None, help="JSON path (default: %s)" % default_out().relative_to(ROOT))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -317,6 +309,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return 0
     torch.set_num_threads(1)  # the host path of a GPU step is one thread; steadier timings
     if a.worker:
         return worker(a)
@@ -336,21 +331,51 @@ def main(argv=None) -> int:
         for preset, res in ranks(a, w).items():
             m = result["models"].setdefault(preset, {"skeleton": res["skeleton"]})
             m[f"n{w}"] = {k: v for k, v in res.items() if k != "skeleton"}
-    result["fit"] = fit.fit_and_predict(result, [Path(p) for p in a.calibrate.split(",") if p] or None,
-                                        constants=Path(a.constants) if a.constants else None)
     result["seconds"] = time.perf_counter() - t0
     result["load_average"] = {"start": load0, "end": os.getloadavg()}  # other work on the cores: times move
     out = Path(a.out) if a.out else default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} ({result['seconds']:.1f} s)", flush=True)
-    fit.report(result["fit"])
     if not a.no_plot:
         try:
-            fit.plot(result, out.with_suffix(".png"))
+            plot(result, out.with_suffix(".png"))
         except ImportError as e:  # the JSON is the result; a machine without matplotlib still gets it
             print(f"bench_host_proxy: no plot ({e})", file=sys.stderr)
     return 0
+
+
+PANELS = (("CPU ms/step (median; tick: min)", lambda r: [r.get("cpu_s", 0) * 1e3], ("",)),
+          ("aten ops/step", lambda r: [r["ops"] - r["view_ops"], r["view_ops"]], ("non-view", "view")),
+          ("per step", lambda r: [r.get("collectives") or 0, r["device_scalar_reads"], r["polls_in_backward"]],
+           ("collectives", "device reads", "polls in backward")))
+
+
+def plot(result: dict, png: Path) -> None:
+    """Per model (rows): CPU time, ops and the syncing counts of each run at N = 1."""
+    from harness import pyplot, save_figure
+
+    plt = pyplot()
+    models = list(result["models"])
+    fig, axes = plt.subplots(len(models), len(PANELS), figsize=(15, 3.4 * len(models)), squeeze=False)
+    for i, preset in enumerate(models):
+        res = result["models"][preset]
+        runs = [r for r in ("torch", "stage0", "stage1", "stage2", "stage3") if r in res]
+        for ax, (title, values, labels) in zip(axes[i], PANELS):
+            w = 0.8 / len(labels)
+            for k, lab in enumerate(labels):
+                ax.bar([j + (k - (len(labels) - 1) / 2) * w for j in range(len(runs))],
+                       [values(res[r])[k] for r in runs], w, label=lab or None)
+            if title.startswith("CPU"):
+                ax.plot(range(len(runs)), [res[r].get("cpu_min_s", 0) * 1e3 for r in runs], "k_", ms=10)
+            ax.set_xticks(range(len(runs)), runs)
+            ax.set_title(f"{preset}: {title}", fontsize=9)
+            if labels[0]:
+                ax.legend(fontsize=7)
+    m = result["machine"]
+    save_figure(fig, png, f"host proxy on {m['node']} ({m['cpu_model']}, {m['cores']} cores), zerompi "
+                          f"{result.get('commit')}, N = 1; skeleton GPTs")
+    print(f"wrote {png}")
 
 
 def _commit() -> str | None:

@@ -20,7 +20,7 @@
   time       wall and process CPU seconds by phase (always on); while counting, the CPU
              seconds inside non-view aten ops (their CPU kernels), by phase and by op: a
              diagnostic (it shows bf16 GEMMs at ~40 us each on a CPU), inflated by the
-             counting itself, so host_proxy_fit.py does not subtract it from anything
+             counting itself, so nothing is subtracted from it
   stand-in   the optimizer's NumpyExecutor (the CPU's stand-in for the GPU's CupyExecutor
              kernels) is device work on a GPU: timed apart, and with fast=True replaced by a
              stand-in that skips the update and computes the norm with one numpy dot (the
