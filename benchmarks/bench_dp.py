@@ -21,7 +21,6 @@ benchmarks/README.md for what is measured and the caveats.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import platform
@@ -31,27 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from harness import (
-    DEFAULT_SHAPES,
-    GiB,
-    MALLOC_ENVS,
-    RANK_ENV,
-    current_rss,
-    peak_rss_process,
-    quiet_barrier,
-    reset_hwm,
-    result_path,
-    vm_hwm,
-)
-from dp_systems import (
-    OPTIONAL_SYSTEMS,
-    SYSTEMS,
-    build_system,
-    expected_model_state_bytes,
-    parse_system,
-)
+from harness import (DEFAULT_SHAPES, GiB, MALLOC_ENVS, RANK_ENV, current_rss, peak_rss_process, quiet_barrier,
+                     reset_hwm, result_path, vm_hwm)
+from dp_systems import OPTIONAL_SYSTEMS, SYSTEMS, build_system, expected_model_state_bytes, parse_system
 from dp_driver import driver, plot
-
 
 
 def worker(args) -> None:
@@ -163,7 +145,6 @@ def worker(args) -> None:
         "ranks": gathered,
         "env": {k: os.environ.get(k) for k in sorted(RANK_ENV) + ["MALLOC_MMAP_THRESHOLD_"]},
         "command": " ".join(shlex.quote(a) for a in sys.argv),
-        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -178,7 +159,6 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help="one run on the MPI ranks (the driver starts it)")
-    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--system", default="zerompi-2", help=f"worker: one of {SYSTEMS + OPTIONAL_SYSTEMS}")
     ap.add_argument("--model", default="gpt-20m", help="worker: a zerompi.models.gpt preset")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS))

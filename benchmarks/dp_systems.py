@@ -177,7 +177,7 @@ def build_system(args, gcfg, comm, marks: dict):
 def deepspeed_config(args, stage: int, bsz: int, n: int) -> dict:
     """fp32 DeepSpeed config with the benchmark's AdamW (torch's implementation, so no
     C++ op is built) and communication buckets of zerompi's size at n ranks."""
-    bucket = args.bucket_size or _zerompi_default_bucket(n, stage)
+    bucket = args.bucket_size or default_bucket(n, stage)
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage < 3:
         zero["allgather_bucket_size"] = bucket
@@ -192,14 +192,13 @@ def deepspeed_config(args, stage: int, bsz: int, n: int) -> dict:
     }
 
 
-def _zerompi_default_bucket(n: int, stage: int = 2, precision: str = "fp32") -> int:
-    """Elements per bucket of zerompi's default bucket_size at n ranks: "auto" resolves
-    with n (zero/buckets.py: 2^22 up to 14 ranks in fp32, growing beyond)."""
+def default_bucket(n: int, stage: int = 2, precision: str = "fp32") -> int:
+    """Elements per bucket of zerompi's default bucket_size at n ranks on a CPU ("auto"
+    resolves with n: zero/buckets.py); DeepSpeed gets the same."""
     from zerompi.config import ZeroConfig
-    from zerompi.zero import buckets
+    from zerompi.zero import layout
 
-    cfg = ZeroConfig()
-    return buckets.resolve(cfg.bucket_size, n, precision, cfg.reduce_dtype, stage)[0]
+    return layout.bucket(ZeroConfig(), n, stage, precision)[0]
 
 
 def _replay_init_partitioned(model, deepspeed) -> None:
