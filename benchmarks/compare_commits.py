@@ -295,7 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per mpiexec")
     ap.add_argument("--machine-label", default=None, help="how the results name the machine")
     ap.add_argument("--work-dir", default=None, help="per-run JSON and logs (default: a temp dir)")
-    ap.add_argument("--quick", action="store_true", help="a minute's check: the tiny model, N = 2, 1 + 2 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="a minute's check: the tiny model, N = 2, 1 + 2 steps, to /tmp/compare_commits_quick.json")
     ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/compare_commits_<machine>_<yyyymm>.json)")
     ap.add_argument("--replot", metavar="JSON", help="redraw the table and the PNG from an existing JSON")
     args = ap.parse_args(argv)
@@ -309,6 +310,7 @@ def main(argv=None) -> int:
         for key, value in (("models", ["tiny"]), ("nranks", [2]), ("warmup", 1), ("steps", 2)):
             if f"--{key}" not in given:
                 setattr(args, key, value)
+        args.out = args.out or "/tmp/compare_commits_quick.json"  # a check, not a result
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     from harness import result_path
