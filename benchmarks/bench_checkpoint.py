@@ -15,7 +15,7 @@ allows it) and verified on load. Each job records the load average before and af
 (weights_only=True) + load_state_dict. DeepSpeed (when importable; --ds-python names an
 interpreter that has it): ZeRO stage 2 on CPU with gloo, engine.save_checkpoint then
 os.sync() (DeepSpeed does not fsync), engine.load_checkpoint. Loads are timed after
-dropping the page cache when /proc/sys/vm/drop_caches is writable ("cold"), else warm.
+dropping the page cache when /proc/sys/vm/drop_caches is writable ("cold") and not --warm.
 Throughput = checkpoint bytes / wall seconds; per rank = the rank's own bytes / seconds.
 """
 from __future__ import annotations
@@ -32,7 +32,12 @@ from pathlib import Path
 from harness import launch, machine_info, pyplot, result_path, save_figure, write_json
 
 
+WARM = False  # --warm: the page cache is left alone (a smoke run on a shared machine)
+
+
 def drop_caches() -> bool:
+    if WARM:
+        return False
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -226,7 +231,7 @@ def run_job(system: str, n: int, a, python: str) -> dict:
     ckdir = Path(a.workdir) / f"ck-{system}-n{n}"
     shutil.rmtree(ckdir, ignore_errors=True)
     argv = [Path(__file__).resolve(), "--worker", "--system", system, "--model", a.model, "--vocab", a.vocab,
-            "--dir", ckdir, "--out", out, "--repeats", a.repeats, "--port", 29500 + n]
+            "--dir", ckdir, "--out", out, "--repeats", a.repeats, "--port", 29500 + n] + ["--warm"] * a.warm
     load0 = os.getloadavg()
     # torch's job is one process without mpiexec
     job = launch(None if system == "torch" else n, argv, timeout=a.timeout, python=python,
@@ -325,7 +330,6 @@ def plot(report: dict, png: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", action="store_true", help="one job's ranks (the driver starts them)")
-    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the default; older commands name it
     ap.add_argument("--system", choices=("zerompi", "torch", "deepspeed"), default="zerompi")
     ap.add_argument("--model", default="gpt2", help="GPT preset (gpt2, gpt-200m, gpt-20m, small, tiny)")
     ap.add_argument("--vocab", type=int, default=64000,
@@ -338,9 +342,12 @@ def main(argv=None) -> None:
     ap.add_argument("--ds-python", default="", help="python that can import deepspeed (default: this one)")
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--warm", action="store_true", help="never drop the page cache (loads read it warm)")
     ap.add_argument("--out")
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a report (next to it)")
     a = ap.parse_args(argv)
+    global WARM
+    WARM = a.warm
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return

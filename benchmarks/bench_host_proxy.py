@@ -5,28 +5,18 @@ negligible and what is left is the host's work: per step, zerompi stages 0-3 aga
 torch (fp32 parameters, bf16 autocast, clip_grad_norm_(foreach=True), AdamW(fused=True)).
 
     python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1,2,4
-    python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1 --out P.json
-    python benchmarks/bench_host_proxy.py --calibrate RUN/e2e.json,RUN/e2e_1b.json   # refit on a GPU run
+    python benchmarks/bench_host_proxy.py --replot benchmarks/results/host_proxy_vm-xeon_202611.json
 
-Per run (world 1, in this process; after --warmup steps): wall and process CPU seconds a
-step (and wall by phase), and over --count-steps steps the counts of host_proxy_count.py:
-aten ops dispatched, copies by dtype pair, device-scalar reads by call site, Handle
-test/wait calls by phase (polls in backward), hook calls, collectives by kind and
-phase (engine.comm_stats() deltas; stage 3's gathers go through a duplicate counted in the
-same table), agreement rounds (stage 3: param_store.agreement.held); then Python own time by
-package over --profile-steps steps (step_profile.python_top). --world 2,4: the same counts
-on N ranks (mpiexec through harness.launch, this file's --worker mode; rank 0's numbers).
-The engine runs as bench_gpu_e2e.py configures it (engine_config), with the skeleton's
-integer bucket and alignment, and optimizer.implementation = fused, the GPU's choice (its
-CPU executor's arithmetic is device work on a GPU: a fast stand-in, host_proxy_count.py;
---exact-optimizer runs the numpy references). --storage-swap gpu (default): stage 3 as with
-the GPU machine's torch 2.11, which lacks UntypedStorage._swap_data_ptr_.
-
-The prediction (host_proxy_fit.py, docs/performance.md): the H100 step time of each run from
-these counts and a few constants fitted to the measured H100 runs; `predicted` in the JSON.
-Writes --out (default benchmarks/results/host_proxy_<machine>_<yyyymm>.json) and a PNG
-beside it. Needs a working MPI even at world 1 (the engine's communicators are MPI's);
-without one it stops with one line saying so (exit 2).
+Per run, after --warmup steps: wall and process CPU seconds a step (world 1, in this
+process), and over --count-steps steps host_proxy_count.py's counts (aten ops, copies,
+device-scalar reads by call site, Handle test/wait calls by phase, hook calls), collectives
+by kind and phase (engine.comm_stats() deltas), stage 3's agreement rounds, and Python time
+by package (step_profile.python_top). --world 2,4: the counts on N ranks, this file's
+--worker mode under mpiexec (rank 0's). The engine is configured as bench_gpu_e2e.py does
+(engine_config) with the skeleton's bucket and alignment and the fused optimizer, the GPU's
+choice, whose arithmetic (device work there) a fast stand-in replaces; --storage-swap gpu:
+stage 3 as under the GPU machine's torch, which lacks UntypedStorage._swap_data_ptr_.
+Needs a working MPI even at world 1; without one it says so in one line (exit 2).
 """
 from __future__ import annotations
 
@@ -43,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from harness import HERE, ROOT, machine_info, result_path  # first: this checkout's zerompi on sys.path
+from harness import HERE, git_info, machine_info, result_path, write_json  # first: this checkout's zerompi
 import host_proxy_count as hc  # noqa: E402
-import host_proxy_fit as fit  # noqa: E402
 import host_proxy_skeleton as hs  # noqa: E402
+
 
 def mpi_problem() -> str | None:
     """Why MPI cannot start here (None when it can), from a child process: a broken MPI
@@ -219,12 +209,12 @@ def run_all(a, world: int) -> dict:
 
     zerompi.runtime.init()
     out = {}
-    with hc.instrumented(fast=not a.exact_optimizer), storage_swaps(a.storage_swap):
+    with hc.instrumented(), storage_swaps(a.storage_swap):
         for preset in a.models:
             sk = hs.find(preset, worlds=tuple(sorted({1, 2, 4} | set(a.world) | {world})))
             batch = make_batch(sk.gpt, a.micro)
             res = {"skeleton": sk.describe()}
-            runs = [("torch", None)] if world == 1 and not a.no_torch else []
+            runs = [("torch", None)] if world == 1 else []
             runs += [(f"stage{s}", s) for s in a.stages]
             for name, stage in runs:
                 t0 = time.perf_counter()
@@ -264,16 +254,12 @@ def ranks(a, world: int) -> dict:
     argv = [HERE / "bench_host_proxy.py", "--worker", "--models", ",".join(a.models),
             "--stages", ",".join(map(str, a.stages)), "--world", ",".join(map(str, a.world)),
             "--warmup", "1", "--count-steps", str(a.count_steps), "--micro", str(a.micro),
-            "--storage-swap", a.storage_swap] + (["--exact-optimizer"] if a.exact_optimizer else [])
+            "--storage-swap", a.storage_swap]
     job = launch(world, argv, timeout=a.rank_timeout)
     for line in job.output.splitlines():
         if line.startswith("HOST_PROXY_JSON "):
             return json.loads(line.split(" ", 1)[1])
     raise RuntimeError(f"the {world}-rank counts failed ({job.status}):\n{job.tail()}")
-
-
-def default_out() -> Path:
-    return result_path("host_proxy")
 
 
 def parse(argv=None):
@@ -286,21 +272,13 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--count-steps", type=int, default=2, help="steps counted under the dispatch mode")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under cProfile (0: none)")
-    ap.add_argument("--no-torch", action="store_true", help="skip plain torch")
     ap.add_argument("--counts-only", action="store_true", help="no timed or profiled steps (tests)")
     ap.add_argument("--storage-swap", choices=("gpu", "native"), default="gpu",
                     help="gpu: stage 3 as with the GPU machine's torch 2.11 (no storage swaps); native: this torch")
-    ap.add_argument("--exact-optimizer", action="store_true",
-                    help="run the fused optimizer's numpy references (slow) instead of the fast stand-in")
     ap.add_argument("--rank-timeout", type=float, default=300.0, help="seconds for each mpiexec job")
-    ap.add_argument("--calibrate", default="", metavar="E2E_JSON[,...]",
-                    help="refit the prediction on these GPU runs (bench_gpu_e2e.py JSON) instead of the "
-                         "H100 runs under benchmarks/results/gpu/")
-    ap.add_argument("--constants", default="", metavar="PROXY_JSON",
-                    help="predict with the constants fitted in an earlier result (e.g. at the code the GPU "
-                         "runs measured) instead of fitting to this code's counts")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON path (default: %s)" % default_out().relative_to(ROOT))
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG beside a result JSON from the JSON alone")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/host_proxy_<machine>_<yyyymm>.json)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.models = [m for m in a.models.split(",") if m]
@@ -317,6 +295,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return 0
     torch.set_num_threads(1)  # the host path of a GPU step is one thread; steadier timings
     if a.worker:
         return worker(a)
@@ -326,7 +307,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     t0, load0 = time.perf_counter(), os.getloadavg()
-    result = {"machine": machine_info(), "torch": torch.__version__, "commit": _commit(),
+    result = {"machine": machine_info(), "torch": torch.__version__, "code": git_info(),
               "commit_given": os.environ.get("ZEROMPI_COMMIT"), "argv": sys.argv[1:], "micro": a.micro,
               "steps": a.steps, "count_steps": a.count_steps, "storage_swap": a.storage_swap,
               "torch_has_storage_swap": hasattr(torch.UntypedStorage, "_swap_data_ptr_"), "models": {}}
@@ -336,32 +317,51 @@ def main(argv=None) -> int:
         for preset, res in ranks(a, w).items():
             m = result["models"].setdefault(preset, {"skeleton": res["skeleton"]})
             m[f"n{w}"] = {k: v for k, v in res.items() if k != "skeleton"}
-    result["fit"] = fit.fit_and_predict(result, [Path(p) for p in a.calibrate.split(",") if p] or None,
-                                        constants=Path(a.constants) if a.constants else None)
     result["seconds"] = time.perf_counter() - t0
     result["load_average"] = {"start": load0, "end": os.getloadavg()}  # other work on the cores: times move
-    out = Path(a.out) if a.out else default_out()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = Path(a.out or result_path("host_proxy"))
+    write_json(out, result)
     print(f"wrote {out} ({result['seconds']:.1f} s)", flush=True)
-    fit.report(result["fit"])
     if not a.no_plot:
         try:
-            fit.plot(result, out.with_suffix(".png"))
+            plot(result, out.with_suffix(".png"))
         except ImportError as e:  # the JSON is the result; a machine without matplotlib still gets it
             print(f"bench_host_proxy: no plot ({e})", file=sys.stderr)
     return 0
 
 
-def _commit() -> str | None:
-    """git describe of this checkout (a copy sent to a GPU machine may carry a stale .git:
-    gpu_acceptance.sh's --commit is recorded beside it as commit_given)."""
-    try:
-        r = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                           text=True, timeout=10)
-        return r.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+PANELS = (("CPU ms/step (median; tick: min)", lambda r: [r.get("cpu_s", 0) * 1e3], ("",)),
+          ("aten ops/step", lambda r: [r["ops"] - r["view_ops"], r["view_ops"]], ("non-view", "view")),
+          ("per step", lambda r: [r.get("collectives") or 0, r["device_scalar_reads"], r["polls_in_backward"]],
+           ("collectives", "device reads", "polls in backward")))
+
+
+def plot(result: dict, png: Path) -> None:
+    """Per model (rows): CPU time, ops and the syncing counts of each run at N = 1."""
+    from harness import pyplot, save_figure
+
+    plt = pyplot()
+    models = list(result["models"])
+    fig, axes = plt.subplots(len(models), len(PANELS), figsize=(15, 3.4 * len(models)), squeeze=False)
+    for i, preset in enumerate(models):
+        res = result["models"][preset]
+        runs = [r for r in ("torch", "stage0", "stage1", "stage2", "stage3") if r in res]
+        for ax, (title, values, labels) in zip(axes[i], PANELS):
+            w = 0.8 / len(labels)
+            for k, lab in enumerate(labels):
+                ax.bar([j + (k - (len(labels) - 1) / 2) * w for j in range(len(runs))],
+                       [values(res[r])[k] for r in runs], w, label=lab or None)
+            if title.startswith("CPU"):
+                ax.plot(range(len(runs)), [res[r].get("cpu_min_s", 0) * 1e3 for r in runs], "k_", ms=10)
+            ax.set_xticks(range(len(runs)), runs)
+            ax.set_title(f"{preset}: {title}", fontsize=9)
+            if labels[0]:
+                ax.legend(fontsize=7)
+    m = result["machine"]
+    commit = result.get("commit") or (result.get("code") or {}).get("git_commit", "?")[:8]
+    save_figure(fig, png, f"host proxy on {m['node']} ({m['cpu_model']}, {m['cores']} cores), zerompi {commit}, "
+                          "N = 1; skeleton GPTs")
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":

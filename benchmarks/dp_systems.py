@@ -177,7 +177,7 @@ def build_system(args, gcfg, comm, marks: dict):
 def deepspeed_config(args, stage: int, bsz: int, n: int) -> dict:
     """fp32 DeepSpeed config with the benchmark's AdamW (torch's implementation, so no
     C++ op is built) and communication buckets of zerompi's size at n ranks."""
-    bucket = args.bucket_size or _zerompi_default_bucket(n, stage)
+    bucket = args.bucket_size or default_bucket(n, stage)
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage < 3:
         zero["allgather_bucket_size"] = bucket
@@ -192,14 +192,13 @@ def deepspeed_config(args, stage: int, bsz: int, n: int) -> dict:
     }
 
 
-def _zerompi_default_bucket(n: int, stage: int = 2, precision: str = "fp32") -> int:
-    """Elements per bucket of zerompi's default bucket_size at n ranks: "auto" resolves
-    with n (zero/buckets.py: 2^22 up to 14 ranks in fp32, growing beyond)."""
+def default_bucket(n: int, stage: int = 2, precision: str = "fp32") -> int:
+    """Elements per bucket of zerompi's default bucket_size at n ranks on a CPU ("auto"
+    resolves with n: zero/buckets.py); DeepSpeed gets the same."""
     from zerompi.config import ZeroConfig
-    from zerompi.zero import buckets
+    from zerompi.zero import layout
 
-    cfg = ZeroConfig()
-    return buckets.resolve(cfg.bucket_size, n, precision, cfg.reduce_dtype, stage)[0]
+    return layout.bucket(ZeroConfig(), n, stage, precision)[0]
 
 
 def _replay_init_partitioned(model, deepspeed) -> None:
@@ -272,30 +271,19 @@ def _build_deepspeed(args, gcfg, comm, marks, stage, opt_kw):
                                              config=cfg)
 
     def info():
-        seen, total = set(), 0
         # params (stage 3: their partitions), fp32 partition copies, gradient partitions
         # and AdamW state, each storage once (ds_tensor are views into the flat groups);
         # after the step, so stages 1-2 show no gradients (freed)
-        def add(t):
-            nonlocal total
-            if torch.is_tensor(t) and t.numel():
-                key = t.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
-        for p in model.parameters():
-            add(getattr(p, "ds_tensor", None) if stage == 3 else p.data)
+        found = [getattr(p, "ds_tensor", None) if stage == 3 else p.data for p in model.parameters()]
         for name in ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat",
                      "single_partition_of_fp32_groups", "averaged_gradients",
                      "grad_partitions_flat_buffer", "bit16_groups_flat"):
             v = getattr(opt, name, None)
             for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]):
-                for u in (t if isinstance(t, (list, tuple)) else [t]):
-                    add(u)
-        inner = getattr(opt, "optimizer", opt)
-        for st in inner.state.values():
-            for t in st.values():
-                add(t)
+                found += t if isinstance(t, (list, tuple)) else [t]
+        found += [t for st in getattr(opt, "optimizer", opt).state.values() for t in st.values()]
+        total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                     for t in found if torch.is_tensor(t) and t.numel()}.values())
         return {"memory_report": {"counted_storages_bytes": total,
                                   "note": "unique storages of params/partitions, fp32 partition "
                                           "copies, gradient partitions and AdamW state, after "

@@ -1,16 +1,9 @@
 """What every benchmark shares: starting jobs, waiting for a quiet machine, the record of
-machine, software and code, partial-JSON writes, a plot helper, memory probes.
+machine, software and code, partial-JSON writes, plot helpers, memory probes.
 
 Importing it puts this checkout's root on sys.path, so `import zerompi` in a benchmark
 finds the package next to it, not an installed copy. Benchmarks import it (and each
 other) by plain name: a script's own folder is sys.path[0], also under `python -m mpi4py`.
-
-Jobs start through `launch` (zerompi/runtime/jobs.py, the launcher the tests use too):
-`mpiexec -n N python -m mpi4py ARGV`, a required timeout, the whole job killed on timeout
-or interrupt, its dead MPICH segments removed from /dev/shm. The ranks get the caller's
-environment without glibc allocator variables (a stray one would change RSS and step
-times unnoticed; a benchmark that wants one passes it in `env`), loopback networking, one
-compute thread per rank, and PYTHONPATH starting with `root` (this checkout by default).
 """
 from __future__ import annotations
 
@@ -50,9 +43,13 @@ SHM_MIN_AGE_S = 2.0
 def launch(nranks: int | None, argv, *, timeout: float, env: dict | None = None, root: str | Path = ROOT,
            python: str = sys.executable, log: str | Path | None = None, echo: bool = False,
            mpiexec: list[str] | None = None) -> jobs.Job:
-    """Run `[mpiexec -n N] PYTHON -m mpi4py ARGV` to its end or its timeout (see the module
-    docstring); `log` gets its output, `echo` prints it as it comes; `mpiexec`: a launcher
-    command of its own instead (simulated nodes', say)."""
+    """Run `[mpiexec -n N] PYTHON -m mpi4py ARGV` through zerompi/runtime/jobs.py (the tests'
+    launcher too) to its end or its timeout; the whole job is killed on timeout or interrupt
+    and its dead MPICH segments removed from /dev/shm. The ranks get the caller's environment
+    without glibc allocator variables (a stray one would change RSS and step times unnoticed;
+    pass one in `env`), loopback networking, one compute thread each, PYTHONPATH starting
+    with `root`. `log` gets the output, `echo` prints it; `mpiexec`: a launcher command of
+    its own instead (simulated nodes', say)."""
     cmd = jobs.mpi_command(nranks, argv, python)
     if mpiexec:
         cmd = [*mpiexec, *cmd]
@@ -68,11 +65,6 @@ def cpu_busy() -> float:
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-
-
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def wait_quiet(max_busy: float, max_wait: float) -> dict:
@@ -94,28 +86,29 @@ class ForeignCpu:
     """How much of the machine other processes used while a block ran:
     `with ForeignCpu() as f: ...; f.fraction`."""
 
+    @staticmethod
+    def children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
     def __enter__(self):
-        self.t0, self.b0, self.c0 = time.time(), cpu_busy(), children_cpu()
+        self.t0, self.b0, self.c0 = time.time(), cpu_busy(), self.children()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.time() - self.t0
-        own, busy = children_cpu() - self.c0, cpu_busy() - self.b0
+        own, busy = self.children() - self.c0, cpu_busy() - self.b0
         self.fraction = max(0.0, busy - own) / (max(self.wall, 1e-9) * (os.cpu_count() or 1))
 
 
 # ------------------------------------------------------------------ the record
 def mem_info() -> dict:
-    out = {}
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                if k in ("MemTotal", "MemAvailable"):
-                    out[k] = int(v.split()[0]) * 1024
+            rows = [line.split(":", 1) for line in f]
     except OSError:
-        pass
-    return out
+        return {}
+    return {k: int(v.split()[0]) * 1024 for k, v in rows if k in ("MemTotal", "MemAvailable")}
 
 
 def machine_info(directory: str | None = None) -> dict:
@@ -222,17 +215,14 @@ def machine_title(machine: dict) -> str:
 
 # ------------------------------------------------------------------ inside the ranks
 def jsonable(x):
-    try:
-        json.dumps(x)
+    """x with what JSON cannot hold turned into dicts, lists or repr()."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if x is None or isinstance(x, (str, int, float, bool)):
         return x
-    except TypeError:
-        if isinstance(x, dict):
-            return {str(k): jsonable(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [jsonable(v) for v in x]
-        if hasattr(x, "__dict__"):
-            return jsonable(vars(x))
-        return repr(x)
+    return jsonable(vars(x)) if hasattr(x, "__dict__") else repr(x)
 
 
 def current_rss() -> int:

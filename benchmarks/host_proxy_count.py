@@ -1,32 +1,21 @@
-"""What the host proxy counts in a training step, from outside the engine (no engine edits):
+"""What the host proxy counts in a training step, from outside the engine:
 
-  ops        aten ops dispatched (a TorchDispatchMode, so autocast's casts and backward's
-             ops too), by name and by phase; on a GPU nearly each is a kernel launch
-  copies     copy_ and _to_copy by (source dtype, destination dtype)
-  reads      device-scalar reads (aten::_local_scalar_dense: .item(), float(t), bool(t))
-             of tensors that live on the device in a GPU run, by call site: a host sync
-             there. Host-born tensors (torch.tensor(...) of Python numbers, and what is
-             computed from them alone) are told apart and counted as host_reads; so is
-             the fused optimizer's norm, which NumpyExecutor returns as a host tensor here
-             but CupyExecutor as a device tensor on a GPU (mark_device below)
-  polls      Handle.test / Handle.wait calls (comm/base.py and subclasses), by phase: on
-             NCCL a test is a cudaEventQuery, a spin on it a host wait
-  hooks      calls of hooks registered while `hooks_counted` is active (tensor, post-
-             accumulate-grad, module forward/pre-forward), labelled by the function a hook
-             calls (weak_hooks.weakly's target, e.g. GradReducer._accumulated)
-  phases     forward | backward (inside autograd: the gradient hooks run there) |
-             after_backward (the rest of engine.backward) | step; torch.autograd.backward
-             is wrapped to mark the backward phase.
-  time       wall and process CPU seconds by phase (always on); while counting, the CPU
-             seconds inside non-view aten ops (their CPU kernels), by phase and by op: a
-             diagnostic (it shows bf16 GEMMs at ~40 us each on a CPU), inflated by the
-             counting itself, so host_proxy_fit.py does not subtract it from anything
-  stand-in   the optimizer's NumpyExecutor (the CPU's stand-in for the GPU's CupyExecutor
-             kernels) is device work on a GPU: timed apart, and with fast=True replaced by a
-             stand-in that skips the update and computes the norm with one numpy dot (the
-             step's host path is the same; the skeleton's weights then stay as built).
-Blind spots on the CPU: .tolist()/.cpu()/.numpy() of a device tensor (a sync on a GPU)
-dispatch nothing on a CPU tensor and are not seen."""
+  ops     aten ops dispatched (a TorchDispatchMode: autocast's casts and backward's ops too),
+          by name and phase; on a GPU nearly each is a kernel launch
+  copies  copy_ and _to_copy by (source dtype, destination dtype)
+  reads   device-scalar reads (aten::_local_scalar_dense) by call site: a host sync on a
+          GPU. Host-born tensors (torch.tensor of Python numbers and what is computed from
+          them alone) are told apart as host_reads; so is the fused optimizer's norm, a host
+          tensor here but a device one on a GPU (mark_device)
+  polls   Handle.test / Handle.wait calls by phase: on NCCL a test is a cudaEventQuery
+  hooks   calls of hooks registered while `instrumented` is active, by what they call
+  phases  forward | backward (inside autograd, torch.autograd.backward wrapped) |
+          after_backward | step; wall and CPU seconds by phase always, and while counting
+          the CPU seconds inside non-view ops (a diagnostic: inflated by the counting)
+The optimizer's NumpyExecutor (the CPU's stand-in for the GPU's kernels) is device work on a
+GPU: timed apart and replaced by a stand-in that skips the update and computes the norm
+with one numpy dot. Not seen: .tolist()/.cpu()/.numpy() of a device tensor (a sync on a
+GPU) dispatch nothing on a CPU tensor."""
 from __future__ import annotations
 
 import contextlib

@@ -1,24 +1,16 @@
-"""Skeleton GPTs for the host-overhead proxy (bench_host_proxy.py): the real preset's module
-and parameter structure at tiny widths, laid out by the engine into the same number of
-parameters, pieces, blocks and (stage 3) units, block counts per unit included.
+"""Skeleton GPTs for the host proxy (bench_host_proxy.py): the real preset's structure at
+tiny widths, laid out by the engine into the same number of parameters, pieces, blocks and
+(stage 3) units, block counts per unit included: the engine's host work per step loops over
+blocks (a bucket, a collective each), pieces (a copy each) and units (gathers, hooks,
+rounds), so a skeleton with those counts repeats it while its compute is negligible.
 
-Why the counts must match: the engine's host work per step is a loop over blocks (one
-bucket, one collective each), over the parameter pieces in each block (one copy each) and
-over units (stage 3: gathers, hooks, rounds). A skeleton with those counts repeats the real
-model's host work while its compute is negligible.
-
-How. The real model is built on the `meta` device and laid out by the engine's own builder
-(zerompi/zero/layout.py: bucket -> plan -> FlatLayout), with the bucket resolved as the
-engine resolves it (`layout.bucket`; given a "cuda" device when it takes one, so a
-device-dependent floor follows the GPU run). A skeleton (n_embd c, vocab V, context T, the
-real layer count) is then searched: its plan order is the real one (same names), and for
-each (stage, world) an integer zero.bucket_size is derived that gives every unit the real
-number of blocks; the skeleton is taken when the pieces match too at every (stage,
-world). Block boundaries falling exactly on a parameter start (fewer pieces) is what
-rules most widths out: tiny vectors are a larger share of a tiny layer, so zero.alignment
-is lowered to 1 when no width works at the engine's alignment (alignment moves no host
-work). The chosen skeleton is checked again against the engine's own plan of it
-(`check`), and bench_host_proxy.py checks each engine it builds (`engine_signature`).
+The real model is laid out on the `meta` device by the engine's own builder (zero/layout.py),
+its bucket resolved as for a GPU run. A skeleton (width c, vocabulary V, context T, the real
+depth) is searched whose plan order is the real one and for which an integer
+zero.bucket_size gives every unit the real number of blocks and pieces at every (stage,
+world); zero.alignment drops to 1 when no width works at the engine's (alignment moves no
+host work). The result is checked against the engine's plan of it (`check`), and each engine
+bench_host_proxy.py builds against it (`engine_signature`).
 """
 from __future__ import annotations
 

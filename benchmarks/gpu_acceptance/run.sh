@@ -31,8 +31,8 @@
 #                    FSDP2, stages 0-3, 6 rounds x 2 steps, all profiled
 #    8 train-cmd     (cap  60 s) [20] `python -m zerompi.train` on 2 ranks, device auto, tiny
 #                    preset, 20 steps and a checkpoint (the log)
-#    9 proxy         (cap  60 s) host_proxy.json: benchmarks/bench_host_proxy.py, the host-cost
-#                    proxy on this machine's CPU (its calibration inputs are in the e2e JSONs)
+#    9 proxy         (cap  60 s) host_proxy.json: benchmarks/bench_host_proxy.py, the host work
+#                    per step counted on this machine's CPU (beside the e2e JSONs' GPU profiles)
 #   10 offload       (cap 150 s) offload.json: benchmarks/bench_offload_gpu.py, the 1B preset, 3 steps,
 #                    the phases, --delayed, --capacity in one run
 #   11 kernel-bench  (cap  30 s) [ 8] kernels_bench.json: fused AdamW / norm / cast bytes/s (1e8)
@@ -278,7 +278,7 @@ fi
 if ! script_absent proxy benchmarks/bench_host_proxy.py "$OUT/host_proxy.json"; then
     if [ "$DRY" = 1 ]; then pargs=(--models tiny --stages 0,3); else pargs=(--models gpt2,gpt-1b --stages 0,1,2,3); fi
     step proxy 60 20 "$PY" benchmarks/bench_host_proxy.py "${pargs[@]}" --world 1 --no-plot \
-        --constants benchmarks/results/host_proxy_baseline_vm-xeon_202611.json --out "$OUT/host_proxy.json"
+        --out "$OUT/host_proxy.json"
 fi
 
 # 10 --------------------------------------------------------------- offloaded optimizer

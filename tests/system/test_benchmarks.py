@@ -33,10 +33,13 @@ def bench(script: str, *args, timeout: float = 300, rc: int | None = 0, **kw) ->
 
 
 def replotted(script: str, out) -> None:
-    """--replot redraws the PNG beside a results JSON from the JSON alone."""
+    """--replot redraws the PNG beside a results JSON from the JSON alone (through the
+    script's main, in this process: one interpreter start and matplotlib import less)."""
+    import importlib
+
     png = out.with_suffix(".png")
     png.unlink(missing_ok=True)
-    bench(script, "--replot", out, timeout=120)
+    importlib.import_module(script.removesuffix(".py")).main(["--replot", str(out)])
     assert png.stat().st_size > 0
 
 
@@ -61,32 +64,12 @@ def test_compare_commits(tmp_path):
 
 def test_checkpoint(tmp_path):
     out = tmp_path / "ck.json"
-    bench("bench_checkpoint.py", "--model", "tiny", "--vocab", "0", "--ranks", "1", "--repeats", "1",
+    bench("bench_checkpoint.py", "--model", "tiny", "--vocab", "0", "--ranks", "1", "--repeats", "1", "--warm",
           "--workdir", tmp_path / "work", "--out", out)
     doc = json.loads(out.read_text())
     got = {r["system"]: r for r in doc["results"]}
     assert got["zerompi"]["save_s"] > 0 and got["torch"]["load_s"] > 0, doc
     replotted("bench_checkpoint.py", out)
-
-
-def test_async_checkpoint(tmp_path):
-    out = tmp_path / "ack.json"
-    bench("bench_async_checkpoint.py", "--model", "tiny", "--vocab", "0", "--ranks", "1",
-          "--stages", "2", "--gap", "1", "--tokens", "32", "--order", "sync,thread,process", "--workdir", tmp_path / "work",
-          "--out", out)
-    s = json.loads(out.read_text())["summary"][0]
-    assert s["n"] == 1 and {"sync", "thread", "process"} <= set(s), s
-    replotted("bench_async_checkpoint.py", out)
-
-
-def test_calibrate_comm(tmp_path):
-    out = tmp_path / "cal.json"
-    bench("calibrate_comm.py", "--nranks", "2", "--repeats", "1", "--min-log2", "10", "--max-log2", "12",
-          "--batches", "1", "--seconds-per-point", "0.01", "--buckets", "12", "--model", "tiny", "--warmup", "1",
-          "--steps", "1", "--replays", "1", "--max-busy", "1", "--out", out)
-    res = json.loads(out.read_text())
-    assert res["fits"]["2"] and res["analysis"]["table"], res.keys()
-    replotted("calibrate_comm.py", out)
 
 
 def test_nodes(tmp_path):
@@ -109,7 +92,7 @@ HOST_PROXY = ["--models", "gpt2", "--stages", "0,3", "--steps", "1", "--warmup",
 
 
 def test_host_proxy(tmp_path):
-    """The counts per run at N = 1 and, through mpiexec, N = 2; the fitted prediction."""
+    """The counts per run at N = 1 and, through mpiexec, N = 2; the plot and --replot."""
     out = tmp_path / "proxy.json"
     bench("bench_host_proxy.py", *HOST_PROXY, "--world", "1,2", "--out", out)
     res = json.loads(out.read_text())
@@ -126,10 +109,7 @@ def test_host_proxy(tmp_path):
     assert m["torch"]["collectives"] == 0 == m["stage0"]["collectives"] == m["stage3"]["collectives"]
     assert m["stage3"]["agreement_rounds"] == 0 < m["n2"]["stage3"]["agreement_rounds"]
     assert m["n2"]["stage0"]["collectives_by_kind"]["all_reduce"] >= 1 and m["n2"]["stage3"]["collectives"] > 0
-    fit = res["fit"]
-    assert set(fit["constants"]) == {"c_op_us", "c_coll_us", "c_hook_us"}
-    assert {p["run"] for p in fit["points"]} == {"torch", "stage0", "stage3"}
-    assert 0 < fit["predicted"]["gpt2"]["runs"]["stage3"]["ratio"] <= 1
+    replotted("bench_host_proxy.py", out)
 
 
 def test_host_proxy_without_mpi_says_so_in_one_line(tmp_path):
