@@ -1,6 +1,6 @@
 """Bucket sizing: what `zero.bucket_size = "auto"` resolves to at N ranks, over the
 alpha-beta model of the communicators (comm/cost_model.py). The engine, the dry run and
-the estimator all resolve a bucket through `resolve` here."""
+the estimator all size a bucket through `bucket_policy` here."""
 from __future__ import annotations
 
 import math
@@ -129,9 +129,3 @@ def bucket_policy(bucket_size: int | str, world: int, *, elem_bytes: int,
     b = auto_bucket_elements(world, elem_bytes=elem_bytes, link=link, floor=floor)
     return b, b > floor
 
-
-def resolve(bucket_size: "int | str", world: int, precision: str, reduce_dtype: str, stage: int,
-            device: str = "cpu") -> tuple[int, bool]:
-    """bucket_policy for a run's config: (bucket elements, at_least)."""
-    return bucket_policy(bucket_size, world, elem_bytes=auto_elem_bytes(precision, reduce_dtype, stage),
-                         device=device)
