@@ -7,15 +7,13 @@ torch (fp32 parameters, bf16 autocast, clip_grad_norm_(foreach=True), AdamW(fuse
     python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1,2,4
     python benchmarks/bench_host_proxy.py --replot benchmarks/results/host_proxy_vm-xeon_202611.json
 
-Per run, after --warmup steps: wall and process CPU seconds a step (world 1, in this
-process), and over --count-steps steps host_proxy_count.py's counts (aten ops, copies,
-device-scalar reads by call site, Handle test/wait calls by phase, hook calls), collectives
-by kind and phase (engine.comm_stats() deltas), stage 3's agreement rounds, and Python time
-by package (step_profile.python_top). --world 2,4: the counts on N ranks, this file's
---worker mode under mpiexec (rank 0's). The engine is configured as bench_gpu_e2e.py does
-(engine_config) with the skeleton's bucket and alignment and the fused optimizer, the GPU's
-choice, whose arithmetic (device work there) a fast stand-in replaces; --storage-swap gpu:
-stage 3 as under the GPU machine's torch, which lacks UntypedStorage._swap_data_ptr_.
+Per run, after --warmup steps: CPU seconds a step (world 1, in this process), and over
+--count-steps steps host_proxy_count.py's counts, collectives by kind and phase
+(engine.comm_stats() deltas), stage 3's agreement rounds and Python time by package
+(step_profile.python_top). --world 2,4: the counts on N ranks (this file's --worker mode
+under mpiexec, rank 0's). The engine is bench_gpu_e2e.py's (engine_config) with the
+skeleton's bucket and alignment and the fused optimizer, the GPU's choice; --storage-swap
+gpu: stage 3 as under the GPU machine's torch (no UntypedStorage._swap_data_ptr_).
 Needs a working MPI even at world 1; without one it says so in one line (exit 2).
 """
 from __future__ import annotations
@@ -63,12 +61,12 @@ def torch_run(sk):
 
     torch.manual_seed(0)
     model = GPT(sk.gpt)
-    fused = {"fused": True}
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
-    except (RuntimeError, ValueError):  # a torch without the fused CPU kernel
-        fused = {"foreach": True}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    for fused in ({"fused": True}, {"foreach": True}):  # foreach: a torch without the fused CPU kernel
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+            break
+        except (RuntimeError, ValueError):
+            pass
     rec, clip = hc.REC, {"foreach": True}
 
     def step(x, y):
@@ -162,23 +160,15 @@ def count(step, batch, engine, steps: int) -> dict:
 def measure(step, batch, engine, a) -> dict:
     from step_profile import python_top
 
-    rec = hc.REC
     for _ in range(a.warmup):
         step(*batch)
-    rec.wall.clear()
-    rec.cpu.clear()
-    rec.stand_in_s = 0.0
     walls, cpus = [], []
     for _ in range(a.steps):  # one at a time: the median and minimum resist other work on the cores
         w0, c0 = time.perf_counter(), time.process_time()
         step(*batch)
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-    n = a.steps
-    out = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "cpu_min_s": min(cpus),
-           "stand_in_s": rec.stand_in_s / n,
-           "wall_by_phase_s": {p: rec.wall[p] / n for p in hc.PHASES if p in rec.wall},
-           "cpu_by_phase_s": {p: rec.cpu[p] / n for p in hc.PHASES if p in rec.cpu}}
+    out = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "cpu_min_s": min(cpus)}
     out.update(count(step, batch, engine, a.count_steps))
     if a.profile_steps:
         top, by_pkg = python_top(step, batch, steps=a.profile_steps, top=12)
