@@ -8,7 +8,7 @@ torch (fp32 parameters, bf16 autocast, clip_grad_norm_(foreach=True), AdamW(fuse
     python benchmarks/bench_host_proxy.py --replot benchmarks/results/host_proxy_vm-xeon_202611.json
 
 Per run, after --warmup steps: CPU seconds a step (world 1, in this process), and over
---count-steps steps host_proxy_count.py's counts, collectives by kind and phase
+--count-steps steps host_proxy_count.py's counts, collectives by kind
 (engine.comm_stats() deltas), stage 3's agreement rounds and Python time by package
 (step_profile.python_top). --world 2,4: the counts on N ranks (this file's --worker mode
 under mpiexec, rank 0's). The engine is bench_gpu_e2e.py's (engine_config) with the
@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -121,38 +121,21 @@ def engine_run(sk, stage: int, world: int):
 
 def _snapshot(engine) -> Counter:
     c = Counter({op: int(v["calls"]) for op, v in engine.comm_stats().items()})
-    rounds = getattr(getattr(engine.param_store, "agreement", None), "held", None)
-    if rounds is not None:
-        c["<rounds>"] = rounds
+    c["<rounds>"] = getattr(getattr(engine.param_store, "agreement", None), "held", 0) or 0
     return c
 
 
 def count(step, batch, engine, steps: int) -> dict:
-    """The counts of `steps` steps (host_proxy_count), collectives and rounds by phase."""
-    rec, coll = hc.REC, defaultdict(Counter)
-    if engine is not None:
-        last = [_snapshot(engine)]
-
-        def on_switch(old: str) -> None:
-            cur = _snapshot(engine)
-            coll[old].update(cur - last[0])
-            last[0] = cur
-        rec.on_switch = on_switch
-    try:
-        with hc.counting():
-            for _ in range(steps):
-                step(*batch)
-    finally:
-        rec.on_switch = None
-    out = rec.summary(steps)
-    total = Counter()
-    for c in coll.values():
-        total.update(c)
+    """The counts of `steps` steps (host_proxy_count), collectives by kind, stage 3's rounds."""
+    before = _snapshot(engine) if engine is not None else Counter()
+    with hc.counting():
+        for _ in range(steps):
+            step(*batch)
+    out = hc.REC.summary(steps)
+    total = _snapshot(engine) - before if engine is not None else Counter()
     rounds = total.pop("<rounds>", 0)
     out["collectives"] = sum(total.values()) / steps
     out["collectives_by_kind"] = {k: v / steps for k, v in sorted(total.items())}
-    out["collectives_by_phase"] = {p: sum(v for k, v in c.items() if k != "<rounds>") / steps
-                                   for p, c in coll.items() if p != "idle"}
     out["agreement_rounds"] = rounds / steps if engine is not None and hasattr(engine.param_store, "agreement") else None
     return out
 

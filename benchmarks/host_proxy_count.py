@@ -33,15 +33,13 @@ PHASES = ("forward", "backward", "after_backward", "step")
 
 
 class Record:
-    """Counts of one or more steps; set_phase calls on_switch(old phase) when set."""
+    """Counts of one or more steps by phase (`phase`, set by the step and by autograd)."""
 
     def __init__(self) -> None:
-        self.phase, self.active, self.on_switch = "idle", False, None
+        self.phase, self.active = "idle", False
         self.reset()
 
     def set_phase(self, name: str) -> None:
-        if self.on_switch is not None:
-            self.on_switch(self.phase)
         self.phase = name
 
     def reset(self) -> None:
