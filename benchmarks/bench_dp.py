@@ -10,13 +10,11 @@ file and draws the PNG next to it; --replot redraws it:
     python benchmarks/bench_dp.py --replot benchmarks/results/dp_vm-epyc_202611.json
     mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --worker --system zerompi-3 --out r.json
 
-Systems: zerompi-0/1/2/3 (fp32; a "-bf16" suffix runs bf16; zerompi-3 builds the model
-under zerompi.Init), ddp (DistributedDataParallel), torch-zero (ZeroRedundancyOptimizer(AdamW)
-over DDP), fsdp2 (torch.distributed.fsdp.fully_shard per block + root), deepspeed-1/2/3
-(DeepSpeed ZeRO on its CPU accelerator; stage 3 builds under deepspeed.zero.Init); the torch
-and DeepSpeed systems use gloo. Every system trains the same GPT from the same initial
-weights on the same per-rank token batches with the same AdamW hyper-parameters. See
-benchmarks/README.md for what is measured and the caveats.
+Systems (dp_systems.py): zerompi-0/1/2/3 (fp32, "-bf16" for bf16; zerompi-3 under
+zerompi.Init), ddp, torch-zero (ZeroRedundancyOptimizer over DDP), fsdp2 (fully_shard per
+block + root), deepspeed-1/2/3 (its CPU accelerator; stage 3 under deepspeed.zero.Init); torch
+and DeepSpeed over gloo. All train the same GPT from the same weights on the same per-rank
+batches with the same AdamW.
 """
 from __future__ import annotations
 

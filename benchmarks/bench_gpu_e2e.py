@@ -32,7 +32,6 @@ that does not import is skipped) or the corpus run's loss did not fall.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -46,7 +45,7 @@ from harness import machine_info  # first: puts this checkout's zerompi on sys.p
 import zerompi  # noqa: E402
 from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
 from e2e_systems import build, check_names, end_process_group, engine_config, new_model  # noqa: E402
-from step_profile import profile_step, sync  # noqa: E402
+from step_profile import profile_step, release, sync  # noqa: E402
 
 GiB = 1 << 30
 POOL = 4  # distinct batches, made once on the device and shared by every system
@@ -70,16 +69,6 @@ def load_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     from zerompi.data import default_corpus
 
     return torch.from_numpy(np.fromfile(default_corpus(max_bytes=max_bytes), dtype=np.uint16).astype(np.int64))
-
-
-def release(dev: torch.device) -> None:
-    """Free what dropped systems held: their reference cycles, and the blocks torch's
-    caching allocator keeps (else the next build's free memory excludes them)."""
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def error_of(what: str, e: BaseException) -> dict:

@@ -14,7 +14,6 @@ host work). Each engine bench_host_proxy.py builds is checked against it (`engin
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from functools import lru_cache
 
 import numpy as np
@@ -81,14 +80,6 @@ def engine_signature(engine) -> tuple:
     return signature(engine.layout)
 
 
-def real_bucket(cfg: ZeroConfig, world: int, stage: int) -> tuple[int, bool]:
-    """The bucket the engine resolves for the real run on a GPU: layout.bucket, given
-    device="cuda" when it takes a device (a device-dependent floor), else as on the CPU."""
-    if "device" in inspect.signature(zlayout.bucket).parameters:
-        return zlayout.bucket(cfg, world, stage, device="cuda")
-    return zlayout.bucket(cfg, world, stage)
-
-
 def _coefficients(name: str) -> tuple[int, int, int, int]:
     """(c^2, c, vocab*c, block*c) coefficients of GPT parameter `name`'s element count at
     width c (models/gpt.py's shapes)."""
@@ -123,7 +114,7 @@ def _plans(model, cfg_of, stages, worlds):
     for s in stages:
         cfg = cfg_of(s)
         for w in worlds:
-            b, at_least = real_bucket(cfg, w, s)
+            b, at_least = zlayout.bucket(cfg, w, s, device="cuda")  # the real run's, on a GPU
             plan = zlayout.plan(model, trainable, cfg, s, b, at_least)
             out[(s, w)] = (plan, (b, at_least), signature(zlayout.flat_layout(plan, w, cfg, b, at_least), fast=True))
     return out
