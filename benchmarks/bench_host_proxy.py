@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from unittest import mock
 from collections import Counter
 from pathlib import Path
 
@@ -140,11 +141,10 @@ def count(step, batch, engine, steps: int) -> dict:
     return out
 
 
-def measure(step, batch, engine, a) -> dict:
+def timed(step, batch, a) -> dict:
+    """CPU seconds of a.steps steps, one at a time, and Python time by package."""
     from step_profile import python_top
 
-    for _ in range(a.warmup):
-        step(*batch)
     walls, cpus = [], []
     for _ in range(a.steps):  # one at a time: the median and minimum resist other work on the cores
         w0, c0 = time.perf_counter(), time.process_time()
@@ -152,28 +152,19 @@ def measure(step, batch, engine, a) -> dict:
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     out = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "cpu_min_s": min(cpus)}
-    out.update(count(step, batch, engine, a.count_steps))
     if a.profile_steps:
         top, by_pkg = python_top(step, batch, steps=a.profile_steps, top=12)
         out["python_by_package_us"], out["python_top"] = by_pkg, top
     return out
 
 
-@contextlib.contextmanager
 def storage_swaps(mode: str):
     """--storage-swap gpu: stage 3 takes the path of the GPU machine's torch 2.11, which
     has no UntypedStorage._swap_data_ptr_ (units resize their own storage instead of
     borrowing gather-pool slots); native: whatever this torch has."""
     from zerompi.zero.stage3 import gather_pool
 
-    orig = getattr(gather_pool, "available", None)
-    if mode == "gpu" and orig is not None:
-        gather_pool.available = lambda: False
-    try:
-        yield
-    finally:
-        if orig is not None:
-            gather_pool.available = orig
+    return mock.patch.object(gather_pool, "available", lambda: False) if mode == "gpu" else contextlib.nullcontext()
 
 
 def run_all(a, world: int) -> dict:
@@ -192,12 +183,11 @@ def run_all(a, world: int) -> dict:
             for name, stage in runs:
                 t0 = time.perf_counter()
                 step, engine, info = torch_run(sk) if stage is None else engine_run(sk, stage, world)
-                if world == 1 and not a.counts_only:
-                    rec = measure(step, batch, engine, a)
-                else:  # counts only (N > 1: timings of ranks sharing cores mean little)
-                    for _ in range(a.warmup):
-                        step(*batch)
-                    rec = count(step, batch, engine, a.count_steps)
+                for _ in range(a.warmup):
+                    step(*batch)
+                # timings at N = 1 only: those of ranks sharing cores mean little
+                rec = timed(step, batch, a) if world == 1 and not a.counts_only else {}
+                rec.update(count(step, batch, engine, a.count_steps))
                 rec.update(info, seconds=time.perf_counter() - t0, optimizer_stand_in=dict(hc.STAND_IN))
                 res[name] = rec
                 if world == 1 or engine is None or engine.rank == 0:

@@ -4,9 +4,9 @@
           by name and phase; on a GPU nearly each is a kernel launch
   copies  copy_ and _to_copy by (source dtype, destination dtype)
   reads   device-scalar reads (aten::_local_scalar_dense) by call site: a host sync on a
-          GPU. Host-born tensors (torch.tensor of Python numbers and what is computed from
-          them alone) are told apart as host_reads; so is the fused optimizer's norm, a host
-          tensor here but a device one on a GPU
+          GPU. Reads of host-born tensors (torch.tensor of Python numbers and what is
+          computed from them alone) are told apart as host_reads; the fused optimizer's
+          norm, host-born here, counts as the device tensor it is on a GPU
   polls   Handle.test / Handle.wait calls by phase: on NCCL a test is a cudaEventQuery
   hooks   calls of hooks registered while `instrumented` is active
   phases  forward | backward (inside autograd, torch.autograd.backward wrapped) |
