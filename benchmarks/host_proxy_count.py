@@ -126,16 +126,13 @@ def _backward(orig):
     return backward
 
 
-def _counted_hook(fn):
-    def hook(*a, **k):
-        REC.hooks += REC.active
-        return fn(*a, **k)
-    return hook
-
-
 def _registrar(orig):
+    """A hook registration whose hook counts its calls."""
     def register(self, hook, *a, **k):
-        return orig(self, _counted_hook(hook), *a, **k)
+        def counted(*ha, **hk):
+            REC.hooks += REC.active
+            return hook(*ha, **hk)
+        return orig(self, counted, *a, **k)
     return register
 
 
