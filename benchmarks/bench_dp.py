@@ -10,13 +10,11 @@ file and draws the PNG next to it; --replot redraws it:
     python benchmarks/bench_dp.py --replot benchmarks/results/dp_vm-epyc_202611.json
     mpiexec -n 2 python -m mpi4py benchmarks/bench_dp.py --worker --system zerompi-3 --out r.json
 
-Systems: zerompi-0/1/2/3 (fp32; a "-bf16" suffix runs bf16; zerompi-3 builds the model
-under zerompi.Init), ddp (DistributedDataParallel), torch-zero (ZeroRedundancyOptimizer(AdamW)
-over DDP), fsdp2 (torch.distributed.fsdp.fully_shard per block + root), deepspeed-1/2/3
-(DeepSpeed ZeRO on its CPU accelerator; stage 3 builds under deepspeed.zero.Init); the torch
-and DeepSpeed systems use gloo. Every system trains the same GPT from the same initial
-weights on the same per-rank token batches with the same AdamW hyper-parameters. See
-benchmarks/README.md for what is measured and the caveats.
+Systems (dp_systems.py): zerompi-0/1/2/3 (fp32, "-bf16" for bf16; zerompi-3 under
+zerompi.Init), ddp, torch-zero (ZeroRedundancyOptimizer over DDP), fsdp2 (fully_shard per
+block + root), deepspeed-1/2/3 (its CPU accelerator; stage 3 under deepspeed.zero.Init); torch
+and DeepSpeed over gloo. All train the same GPT from the same weights on the same per-rank
+batches with the same AdamW.
 """
 from __future__ import annotations
 
@@ -50,7 +48,7 @@ def worker(args) -> None:
     load_start = os.getloadavg()  # other work on the machine skews the timings
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     from zerompi.models.gpt import PRESETS, count_params
 
     kind = parse_system(args.system)[0]
@@ -127,11 +125,11 @@ def worker(args) -> None:
         "system": args.system, "kind": kind, "stage": stage, "precision": prec,
         "model": args.model, "n": world, "params": psi, "micro_batch": bsz, "seq_len": seq,
         "tokens_per_step": world * bsz * seq, "warmup": args.warmup, "steps": args.steps,
-        "threads_per_rank": args.threads, "oversubscribed": world * args.threads > ncores,
+        "threads_per_rank": 1, "oversubscribed": world > ncores,
         "malloc": args.malloc_label,
         "malloc_env": {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_",) if k in os.environ},
         "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                      "weight_decay": args.weight_decay, "torch_impl": args.torch_adamw},
+                      "weight_decay": args.weight_decay},
         "step_time_s_per_step": [float(t) for t in step_max],
         "step_time_s_median": med, "step_time_s_min": min(timed), "step_time_s_max": max(timed),
         "tokens_per_s": world * bsz * seq / med,
@@ -171,7 +169,7 @@ def shape_of(args, model: str) -> tuple[int, int]:
     return args.micro_batch or bsz, args.seq_len or seq
 
 
-def predict_rank_bytes(system: str, cfg, n: int, bsz: int, seq: int, bucket: int, grad_view: bool = True) -> int:
+def predict_rank_bytes(system: str, cfg, n: int, bsz: int, seq: int, bucket: int) -> int:
     """A rough per-rank peak (runtime + model states + buffers + activations), only to skip
     runs that could exhaust the machine's memory; set-up transients from this machine's runs."""
     from zerompi.models.gpt import count_params
@@ -184,7 +182,7 @@ def predict_rank_bytes(system: str, cfg, n: int, bsz: int, seq: int, bucket: int
         "fsdp2": max(0, 4 * psi + 4 * psi // n - states) + 24 * block,  # built full, then sharded
         # its fp32 partition copy and buckets; stage 3 keeps gathered parameters from forward to backward
         "deepspeed": 4 * psi // n + 2 * bucket + (14 * psi if stage == 3 else 2 * bucket),
-    }.get(kind, 0 if grad_view else 4 * psi)  # DDP's buckets beside param.grad without bucket views
+    }.get(kind, 0)  # DDP: gradients are views into its buckets
     act = bsz * seq * (cfg.n_layer * cfg.n_embd * 20 + cfg.vocab_size * 3) * 4  # saved fp32 activations
     return int(0.6 * GiB) + states + extra + act
 
@@ -194,7 +192,7 @@ def skip_reason(args, system: str, model: str, n: int) -> tuple[str | None, int]
 
     _, stage, prec = parse_system(system)
     bucket = args.bucket_size or default_bucket(n, stage or 0, prec)
-    pred = n * predict_rank_bytes(system, PRESETS[model], n, *shape_of(args, model), bucket, bool(args.ddp_grad_view))
+    pred = n * predict_rank_bytes(system, PRESETS[model], n, *shape_of(args, model), bucket)
     avail = mem_info().get("MemAvailable", 0)
     if parse_system(system)[0] == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed", pred
@@ -216,11 +214,11 @@ def driver(args) -> None:
     out = Path(args.out)
     doc = {"benchmark": "bench_dp: step time and per-rank RSS, data parallel on CPU", "machine": machine_info(),
            "software": software_info(), "loadavg_at_start": os.getloadavg(),
-           "parameters": {**vars(args), "threads_per_rank": args.threads, "rank_env": RANK_ENV,
+           "parameters": {**vars(args), "threads_per_rank": 1, "rank_env": RANK_ENV,
                           "shapes": {m: list(shape_of(args, m)) for m in args.models},
                           "timing": "per step: sleep-polling barrier, then fwd+bwd+optimizer step; "
                                     "max over ranks per step, median over timed steps"},
-           "oversubscribed_n": [n for n in args.nranks if n * args.threads > (os.cpu_count() or 1)],
+           "oversubscribed_n": [n for n in args.nranks if n > (os.cpu_count() or 1)],
            "formulas": FORMULAS, "runs": [], "skipped": [], "failed": []}
     plan = [(m, n, s, mal) for m in args.models for n in args.nranks for mal in args.malloc for s in args.systems]
     t_all = time.monotonic()
@@ -235,12 +233,11 @@ def driver(args) -> None:
         wait_quiet(args.wait_quiet, args.wait_quiet_max)  # other work on the cores skews timings
         rfile = work / f"{tag}.json"
         bsz, seq = shape_of(args, m)
-        steps = args.steps_large if count_params(PRESETS[m]) >= args.large_params else args.steps
+        steps = args.steps_large if count_params(PRESETS[m]) >= 100_000_000 else args.steps
         argv = [HERE / "bench_dp.py", "--worker", "--system", s, "--model", m, "--micro-batch", bsz,
-                "--seq-len", seq, "--warmup", args.warmup, "--steps", steps, "--threads", args.threads,
-                "--lr", args.lr, "--weight-decay", args.weight_decay, "--torch-adamw", args.torch_adamw,
-                "--ddp-bucket-mb", args.ddp_bucket_mb, "--ddp-grad-view", args.ddp_grad_view, "--seed", args.seed,
-                "--malloc-label", mal, "--out", rfile, "--bucket-size", args.bucket_size, "--ds-zero", args.ds_zero]
+                "--seq-len", seq, "--warmup", args.warmup, "--steps", steps, "--lr", args.lr,
+                "--weight-decay", args.weight_decay, "--seed", args.seed, "--malloc-label", mal, "--out", rfile,
+                "--bucket-size", args.bucket_size]
         print(f"[driver] ({i + 1}/{len(plan)}) {tag}: predicted {pred / GiB:.1f} GiB", flush=True)
         try:
             job = launch(n, [str(a) for a in argv], timeout=args.run_timeout, env=MALLOC_ENVS[mal],
@@ -345,20 +342,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: per-model default)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
-    ap.add_argument("--steps-large", type=int, default=3, help="driver: timed steps for large models")
-    ap.add_argument("--large-params", type=int, default=100_000_000, help="driver: 'large' threshold")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    ap.add_argument("--steps-large", type=int, default=3, help="driver: timed steps for models of >= 100M parameters")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--torch-adamw", default="default", choices=["default", "for-loop", "fused"],
-                    help="torch.optim.AdamW implementation for ddp/torch-zero")
-    ap.add_argument("--ddp-bucket-mb", type=float, default=25.0)
-    ap.add_argument("--ddp-grad-view", type=int, default=1, choices=[0, 1],
-                    help="DDP gradient_as_bucket_view (1: grads live in the buckets, 16*Psi)")
     ap.add_argument("--bucket-size", type=int, default=0, help="zerompi bucket_size (0: engine default)")
-    ap.add_argument("--ds-zero", default="",
-                    help='DeepSpeed: JSON merged into zero_optimization, e.g. '
-                         '\'{"stage3_max_reuse_distance": 0}\' (default: DeepSpeed\'s defaults)')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mem-limit-gib", type=float, default=20.0,
                     help="driver: skip runs predicted to need more RAM (all ranks)")

@@ -9,36 +9,29 @@ host-side profile of one step of each system (benchmarks/step_profile.py).
         --peak-flops 989e12 --out e2e.json
     python benchmarks/gpu_acceptance/e2e_summary.py e2e.json      # the table
 
-Measurement: every system is built once and warmed up (--warmup steps), then timed in
---rounds rounds, each a block of --steps steps per system, in list order in even rounds and
-reversed in odd ones (A B C, C B A, ...): a drift of the machine's speed within the run
-falls on all systems alike. A system's ratio to plain torch is taken per round (torch's
-block and its own of the same round) and reported as the median, min and max over the
-rounds; tokens/s is from the median block. The systems of a group stay built together;
-`/` in --systems starts a new group, measured after the previous one is freed. Plain torch
-is built first, stays, and is timed again in every group. DeepSpeed goes in a group of its
-own, so what it sets up process-wide comes after the others were measured. On a GPU a
-group also ends early when the free memory is below 1.25x the largest peak so far plus
-2 GiB (the 1B preset on an 80 GB GPU), or when a build runs out of memory (then retried
-once in a fresh group). Peak memory of a system = what it holds after its warm-up +
-the most one of its steps allocates on top of that (max over its blocks), so systems built
-side by side do not count each other's memory.
+Every system is built once and warmed up (--warmup steps), then timed in --rounds rounds,
+each a block of --steps steps per system, in list order in even rounds and reversed in odd
+ones, so a drift of the machine's speed falls on all alike. A system's ratio to plain torch
+is taken per round (the blocks of the same round): median, min and max over the rounds;
+tokens/s from the median block. `/` in --systems starts a new group, measured after the
+previous one is freed; plain torch is built first, stays, and is timed in every group
+(DeepSpeed goes last, in a group of its own: what it sets up process-wide comes after the
+others). On a GPU a group also ends early when the free memory is below 1.25x the largest
+peak so far + 2 GiB, or when a build runs out of memory (retried once in a fresh group).
+Peak memory = what a system holds after its warm-up + the most one of its steps allocates
+on top, so systems built side by side do not count each other's memory.
 
-MFU = tokens/s x flops per token / peak, flops per token = 6 N + 12 L C T (GPT's
-flops_per_token at the measured sequence length; N non-embedding parameters). `--backend
-auto|nccl|mpi` is zerompi's comm.backend (at one rank neither moves data; the acceptance
-script takes `mpi` when NCCL does not load). `--train-steps K` adds a zerompi stage-2 run
-on the built-in corpus (real text, so the loss can fall) after all systems are freed.
+MFU = tokens/s x (6 N + 12 L C T) / peak (GPT's flops per token, N non-embedding
+parameters). `--backend` is zerompi's comm.backend (at one rank neither moves data).
+`--train-steps K` adds a zerompi stage-2 run on the built-in corpus (the loss must fall).
 `--device cpu --preset tiny` runs the same code on the CPU (FSDP2 and DeepSpeed over gloo;
-a check of the script, not a measurement). A system that fails to build or step records
-its error and the others go on; the JSON is rewritten after every part. Exit 1 when a
-system or a profile failed (a peer that does not import is skipped, not failed) or the
-corpus run's loss did not fall.
+a check, not a measurement). A system that fails records its error and the others go on;
+the JSON is rewritten after every part. Exit 1 when a system or a profile failed (a peer
+that does not import is skipped) or the corpus run's loss did not fall.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -52,7 +45,7 @@ from harness import machine_info  # first: puts this checkout's zerompi on sys.p
 import zerompi  # noqa: E402
 from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
 from e2e_systems import build, check_names, end_process_group, engine_config, new_model  # noqa: E402
-from step_profile import profile_step, sync  # noqa: E402
+from step_profile import profile_step, release, sync  # noqa: E402
 
 GiB = 1 << 30
 POOL = 4  # distinct batches, made once on the device and shared by every system
@@ -76,16 +69,6 @@ def load_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     from zerompi.data import default_corpus
 
     return torch.from_numpy(np.fromfile(default_corpus(max_bytes=max_bytes), dtype=np.uint16).astype(np.int64))
-
-
-def release(dev: torch.device) -> None:
-    """Free what dropped systems held: their reference cycles, and the blocks torch's
-    caching allocator keeps (else the next build's free memory excludes them)."""
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def error_of(what: str, e: BaseException) -> dict:

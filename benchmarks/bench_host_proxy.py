@@ -7,15 +7,13 @@ torch (fp32 parameters, bf16 autocast, clip_grad_norm_(foreach=True), AdamW(fuse
     python benchmarks/bench_host_proxy.py --models gpt2,gpt-1b --stages 0,1,2,3 --world 1,2,4
     python benchmarks/bench_host_proxy.py --replot benchmarks/results/host_proxy_vm-xeon_202611.json
 
-Per run, after --warmup steps: wall and process CPU seconds a step (world 1, in this
-process), and over --count-steps steps host_proxy_count.py's counts (aten ops, copies,
-device-scalar reads by call site, Handle test/wait calls by phase, hook calls), collectives
-by kind and phase (engine.comm_stats() deltas), stage 3's agreement rounds, and Python time
-by package (step_profile.python_top). --world 2,4: the counts on N ranks, this file's
---worker mode under mpiexec (rank 0's). The engine is configured as bench_gpu_e2e.py does
-(engine_config) with the skeleton's bucket and alignment and the fused optimizer, the GPU's
-choice, whose arithmetic (device work there) a fast stand-in replaces; --storage-swap gpu:
-stage 3 as under the GPU machine's torch, which lacks UntypedStorage._swap_data_ptr_.
+Per run, after --warmup steps: CPU seconds a step (world 1, in this process), and over
+--count-steps steps host_proxy_count.py's counts, collectives by kind
+(engine.comm_stats() deltas), stage 3's agreement rounds and Python time by package
+(step_profile.python_top). --world 2,4: the counts on N ranks (this file's --worker mode
+under mpiexec, rank 0's). The engine is bench_gpu_e2e.py's (engine_config) with the
+skeleton's bucket and alignment and the fused optimizer, the GPU's choice; --storage-swap
+gpu: stage 3 as under the GPU machine's torch (no UntypedStorage._swap_data_ptr_).
 Needs a working MPI even at world 1; without one it says so in one line (exit 2).
 """
 from __future__ import annotations
@@ -28,7 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from unittest import mock
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -63,12 +62,12 @@ def torch_run(sk):
 
     torch.manual_seed(0)
     model = GPT(sk.gpt)
-    fused = {"fused": True}
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
-    except (RuntimeError, ValueError):  # a torch without the fused CPU kernel
-        fused = {"foreach": True}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    for fused in ({"fused": True}, {"foreach": True}):  # foreach: a torch without the fused CPU kernel
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+            break
+        except (RuntimeError, ValueError):
+            pass
     rec, clip = hc.REC, {"foreach": True}
 
     def step(x, y):
@@ -123,84 +122,49 @@ def engine_run(sk, stage: int, world: int):
 
 def _snapshot(engine) -> Counter:
     c = Counter({op: int(v["calls"]) for op, v in engine.comm_stats().items()})
-    rounds = getattr(getattr(engine.param_store, "agreement", None), "held", None)
-    if rounds is not None:
-        c["<rounds>"] = rounds
+    c["<rounds>"] = getattr(getattr(engine.param_store, "agreement", None), "held", 0) or 0
     return c
 
 
 def count(step, batch, engine, steps: int) -> dict:
-    """The counts of `steps` steps (host_proxy_count), collectives and rounds by phase."""
-    rec, coll = hc.REC, defaultdict(Counter)
-    if engine is not None:
-        last = [_snapshot(engine)]
-
-        def on_switch(old: str) -> None:
-            cur = _snapshot(engine)
-            coll[old].update(cur - last[0])
-            last[0] = cur
-        rec.on_switch = on_switch
-    try:
-        with hc.counting():
-            for _ in range(steps):
-                step(*batch)
-    finally:
-        rec.on_switch = None
-    out = rec.summary(steps)
-    total = Counter()
-    for c in coll.values():
-        total.update(c)
+    """The counts of `steps` steps (host_proxy_count), collectives by kind, stage 3's rounds."""
+    before = _snapshot(engine) if engine is not None else Counter()
+    with hc.counting():
+        for _ in range(steps):
+            step(*batch)
+    out = hc.REC.summary(steps)
+    total = _snapshot(engine) - before if engine is not None else Counter()
     rounds = total.pop("<rounds>", 0)
     out["collectives"] = sum(total.values()) / steps
     out["collectives_by_kind"] = {k: v / steps for k, v in sorted(total.items())}
-    out["collectives_by_phase"] = {p: sum(v for k, v in c.items() if k != "<rounds>") / steps
-                                   for p, c in coll.items() if p != "idle"}
     out["agreement_rounds"] = rounds / steps if engine is not None and hasattr(engine.param_store, "agreement") else None
     return out
 
 
-def measure(step, batch, engine, a) -> dict:
+def timed(step, batch, a) -> dict:
+    """CPU seconds of a.steps steps, one at a time, and Python time by package."""
     from step_profile import python_top
 
-    rec = hc.REC
-    for _ in range(a.warmup):
-        step(*batch)
-    rec.wall.clear()
-    rec.cpu.clear()
-    rec.stand_in_s = 0.0
     walls, cpus = [], []
     for _ in range(a.steps):  # one at a time: the median and minimum resist other work on the cores
         w0, c0 = time.perf_counter(), time.process_time()
         step(*batch)
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-    n = a.steps
-    out = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "cpu_min_s": min(cpus),
-           "stand_in_s": rec.stand_in_s / n,
-           "wall_by_phase_s": {p: rec.wall[p] / n for p in hc.PHASES if p in rec.wall},
-           "cpu_by_phase_s": {p: rec.cpu[p] / n for p in hc.PHASES if p in rec.cpu}}
-    out.update(count(step, batch, engine, a.count_steps))
+    out = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "cpu_min_s": min(cpus)}
     if a.profile_steps:
         top, by_pkg = python_top(step, batch, steps=a.profile_steps, top=12)
         out["python_by_package_us"], out["python_top"] = by_pkg, top
     return out
 
 
-@contextlib.contextmanager
 def storage_swaps(mode: str):
     """--storage-swap gpu: stage 3 takes the path of the GPU machine's torch 2.11, which
     has no UntypedStorage._swap_data_ptr_ (units resize their own storage instead of
     borrowing gather-pool slots); native: whatever this torch has."""
     from zerompi.zero.stage3 import gather_pool
 
-    orig = getattr(gather_pool, "available", None)
-    if mode == "gpu" and orig is not None:
-        gather_pool.available = lambda: False
-    try:
-        yield
-    finally:
-        if orig is not None:
-            gather_pool.available = orig
+    return mock.patch.object(gather_pool, "available", lambda: False) if mode == "gpu" else contextlib.nullcontext()
 
 
 def run_all(a, world: int) -> dict:
@@ -219,12 +183,11 @@ def run_all(a, world: int) -> dict:
             for name, stage in runs:
                 t0 = time.perf_counter()
                 step, engine, info = torch_run(sk) if stage is None else engine_run(sk, stage, world)
-                if world == 1 and not a.counts_only:
-                    rec = measure(step, batch, engine, a)
-                else:  # counts only (N > 1: timings of ranks sharing cores mean little)
-                    for _ in range(a.warmup):
-                        step(*batch)
-                    rec = count(step, batch, engine, a.count_steps)
+                for _ in range(a.warmup):
+                    step(*batch)
+                # timings at N = 1 only: those of ranks sharing cores mean little
+                rec = timed(step, batch, a) if world == 1 and not a.counts_only else {}
+                rec.update(count(step, batch, engine, a.count_steps))
                 rec.update(info, seconds=time.perf_counter() - t0, optimizer_stand_in=dict(hc.STAND_IN))
                 res[name] = rec
                 if world == 1 or engine is None or engine.rank == 0:

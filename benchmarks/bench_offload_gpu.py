@@ -27,7 +27,6 @@ error and the others still run:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import sys
@@ -42,6 +41,7 @@ import torch  # noqa: E402
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT, PRESETS, count_params  # noqa: E402
 from zerompi.models.gpt_config import GPTConfig  # noqa: E402
+from step_profile import release, sync  # noqa: E402
 
 GB = 1e9
 # GPT-3's shapes (byte-level vocabulary), for the capacity ladder beyond the presets
@@ -51,19 +51,6 @@ LADDER = {"gpt-1b": PRESETS["gpt-1b"],
           "gpt-6.7b": GPTConfig(vocab_size=256, block_size=1024, n_layer=32, n_head=32, n_embd=4096),
           "gpt-13b": GPTConfig(vocab_size=256, block_size=1024, n_layer=40, n_head=40, n_embd=5120),
           "gpt-20b": GPTConfig(vocab_size=256, block_size=1024, n_layer=44, n_head=48, n_embd=6144)}
-
-
-def sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def release(dev) -> None:
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def machine(dev) -> dict:

@@ -94,10 +94,9 @@ def measure(n: int, threads: list[int], repeat: int) -> list[dict]:
 
 
 def plot(result: dict, png: Path) -> None:
-    from harness import pyplot
+    from harness import pyplot, save_figure
 
     plt = pyplot()
-
     rows = result["rows"]
     t = [r["threads"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -107,12 +106,10 @@ def plot(result: dict, png: Path) -> None:
             ax.plot(t, [r[key] for r in rows], "o-", label=label)
     ax.set_xlabel("threads")
     ax.set_ylabel(f"GB/s ({BYTES_PER_ELEMENT} bytes per element)")
-    ax.set_title(f"offload host pass, {result['elements']:.3g} elements, {result['machine_name']}", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    save_figure(fig, png, f"offload host pass, {result['elements']:.3g} elements, {result['machine_name']}")
 
 
 def main(argv=None) -> int:

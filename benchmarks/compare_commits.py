@@ -206,7 +206,7 @@ def driver(args) -> int:
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = False  # this process only reads versions: no MPI_Init
-    from harness import launch, machine_info, software_info, wait_quiet, write_json
+    from harness import DEFAULT_SHAPES, launch, machine_info, software_info, wait_quiet, write_json
     from zerompi.models.gpt import PRESETS, count_params
 
     add_shapes()
@@ -220,10 +220,10 @@ def driver(args) -> int:
     for m in args.models:
         if m not in PRESETS:
             sys.exit(f"--models {m}: not a zerompi.models.gpt preset nor one of {list(EXTRA_SHAPES)}")
-        bsz, seq = SHAPES.get(m) or {"tiny": (2, 64), "small": (2, 128), "gpt-20m": (4, 256)}.get(m, (1, 256))
+        bsz, seq = SHAPES.get(m) or DEFAULT_SHAPES.get(m, (1, 256))
         steps = args.steps_large if count_params(PRESETS[m]) >= 100_000_000 else args.steps
-        configs += [{"model": m, "n": n, "stage": st, "micro_batch": args.micro_batch or bsz,
-                     "seq_len": args.seq_len or seq, "steps": steps} for n in args.nranks for st in args.stages]
+        configs += [{"model": m, "n": n, "stage": st, "micro_batch": bsz, "seq_len": seq, "steps": steps}
+                    for n in args.nranks for st in args.stages]
     # ABBA per configuration; the first side flips from one configuration to the next
     plan = [(ci, rep, side) for ci in range(len(configs)) for rep in range(args.repeats)
             for side in (("before", "after") if (ci + rep) % 2 == 0 else ("after", "before"))]
@@ -242,7 +242,6 @@ def driver(args) -> int:
                     f"zerompi-{cfg['stage']}", "--model", cfg["model"], "--micro-batch", cfg["micro_batch"],
                     "--seq-len", cfg["seq_len"], "--warmup", args.warmup, "--steps", cfg["steps"],
                     "--seed", args.seed, "--malloc-label", "default", "--out", rfile]
-            argv += ["--bucket-size", args.bucket_size] if args.bucket_size else []
             wait_quiet(args.wait_quiet, args.wait_quiet_max)  # other work on the cores skews timings
             job = launch(cfg["n"], [str(a) for a in argv], timeout=args.run_timeout, root=roots[side],
                          log=work / f"{tag}.log")
@@ -285,9 +284,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--steps-large", type=int, default=3, help="timed steps for models of >= 100M parameters")
-    ap.add_argument("--micro-batch", type=int, default=0, help="sequences per rank (0: per model)")
-    ap.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: per model)")
-    ap.add_argument("--bucket-size", type=int, default=0, help="zerompi bucket_size (0: default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait-quiet", type=float, default=1.0,
                     help="before each run wait until at most this fraction of the machine is busy (1: no wait)")

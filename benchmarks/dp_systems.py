@@ -4,7 +4,6 @@ torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO (see bench_dp.py).
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import sys
 import warnings
@@ -109,8 +108,6 @@ def build_system(args, gcfg, comm, marks: dict):
     torch.manual_seed(args.seed)
     model = GPT(gcfg)
     marks["rss_after_model"] = current_rss()
-    adamw_kw = {"foreach": False} if args.torch_adamw == "for-loop" else \
-        {"fused": True} if args.torch_adamw == "fused" else {}
 
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -122,7 +119,7 @@ def build_system(args, gcfg, comm, marks: dict):
         for blk in model.h:
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), **opt_kw, **adamw_kw)
+        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
 
         def step():
             opt.step()
@@ -142,16 +139,15 @@ def build_system(args, gcfg, comm, marks: dict):
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, bucket_cap_mb=args.ddp_bucket_mb,
-              gradient_as_bucket_view=bool(args.ddp_grad_view))
+    ddp = DDP(model, gradient_as_bucket_view=True)  # DDP's default 25 MB buckets
     if kind == "ddp":
-        opt = torch.optim.AdamW(ddp.parameters(), **opt_kw, **adamw_kw)
+        opt = torch.optim.AdamW(ddp.parameters(), **opt_kw)
         local_opt = opt
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                      **opt_kw, **adamw_kw)
+                                      **opt_kw)
         local_opt = opt.optim
 
     def step():
@@ -168,8 +164,7 @@ def build_system(args, gcfg, comm, marks: dict):
                                   "note": "grads counted at measurement time (after zero_grad: 0); "
                                           "DDP keeps its fp32 buckets (4*Psi) in any case"},
                 "model_states_bytes": pbytes + 4 * sum(p.numel() for p in params) + obytes,
-                "ddp_bucket_cap_mb": args.ddp_bucket_mb,
-                "ddp_gradient_as_bucket_view": bool(args.ddp_grad_view)}
+                "ddp_gradient_as_bucket_view": True}
 
     return ddp, lambda loss: loss.backward(), step, info, dist.destroy_process_group
 
@@ -181,7 +176,6 @@ def deepspeed_config(args, stage: int, bsz: int, n: int) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage < 3:
         zero["allgather_bucket_size"] = bucket
-    zero.update(json.loads(args.ds_zero or "{}"))  # e.g. stage3_max_reuse_distance
     return {
         "train_micro_batch_size_per_gpu": bsz, "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0, "steps_per_print": 1 << 30, "wall_clock_breakdown": False,

@@ -11,15 +11,13 @@ Names (--systems):
   stageS           zerompi stage S (0-3), precision bf16
   deepspeedS       DeepSpeed ZeRO-S (2 or 3), bf16, the same torch AdamW as a client
                    optimizer (no JIT-built op); {"skipped": why} when deepspeed does not import
-Every model is built on the device (a 1B model's initialisation on the host takes tens of
-seconds) from the same seed, so all systems start from the same weights.
-FSDP2 and DeepSpeed need a torch.distributed process group: one rank, an in-process
-HashStore (no network), NCCL on a GPU, gloo on the CPU.
+Every model is built on the device from the same seed: the same weights everywhere.
+FSDP2 and DeepSpeed get a one-rank torch.distributed group (an in-process HashStore, NCCL on
+a GPU, gloo on the CPU).
 """
 from __future__ import annotations
 
 import contextlib
-
 import importlib
 import logging
 import os

@@ -1,10 +1,7 @@
 """What every benchmark shares: starting jobs, waiting for a quiet machine, the record of
-machine, software and code, partial-JSON writes, plot helpers, memory probes.
-
-Importing it puts this checkout's root on sys.path, so `import zerompi` in a benchmark
-finds the package next to it, not an installed copy. Benchmarks import it (and each
-other) by plain name: a script's own folder is sys.path[0], also under `python -m mpi4py`.
-"""
+machine, software and code, partial-JSON writes, plot helpers, memory probes. Importing it
+puts this checkout's root first on sys.path (`import zerompi` finds the package next to it);
+benchmarks import it and each other by plain name (a script's folder is sys.path[0])."""
 from __future__ import annotations
 
 import json
@@ -43,13 +40,12 @@ SHM_MIN_AGE_S = 2.0
 def launch(nranks: int | None, argv, *, timeout: float, env: dict | None = None, root: str | Path = ROOT,
            python: str = sys.executable, log: str | Path | None = None, echo: bool = False,
            mpiexec: list[str] | None = None) -> jobs.Job:
-    """Run `[mpiexec -n N] PYTHON -m mpi4py ARGV` through zerompi/runtime/jobs.py (the tests'
-    launcher too) to its end or its timeout; the whole job is killed on timeout or interrupt
-    and its dead MPICH segments removed from /dev/shm. The ranks get the caller's environment
-    without glibc allocator variables (a stray one would change RSS and step times unnoticed;
-    pass one in `env`), loopback networking, one compute thread each, PYTHONPATH starting
-    with `root`. `log` gets the output, `echo` prints it; `mpiexec`: a launcher command of
-    its own instead (simulated nodes', say)."""
+    """`[mpiexec -n N] PYTHON -m mpi4py ARGV` through zerompi/runtime/jobs.py (the tests'
+    launcher) to its end or timeout; on timeout or interrupt the whole job is killed and its
+    dead MPICH segments removed. The ranks get the caller's environment without glibc
+    allocator variables (a stray one changes RSS and step times unnoticed; pass one in
+    `env`), loopback networking, one thread each, PYTHONPATH starting with `root`. `log`
+    gets the output, `echo` prints it; `mpiexec`: another launcher (simulated nodes')."""
     cmd = jobs.mpi_command(nranks, argv, python)
     if mpiexec:
         cmd = [*mpiexec, *cmd]

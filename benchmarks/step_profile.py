@@ -1,33 +1,27 @@
 """Where one training step's time goes, for bench_gpu_e2e.py: on the device and on the host.
 
-Why both: a step can spend its extra time on the host (Python, launches, waits) while
-its kernels take as long as plain torch's, which a table of kernels cannot show.
-So a profile holds:
-  device_top    the kernels and ops with the most device time (what the old table was)
-  device_busy   the union of the kernels' intervals over the profiled step's span: a
-                fraction well under 1 means the GPU waited for the host
-                (device_busy_us: that union; device_kernel_us: the kernels' summed
-                durations, which exceed the union where streams overlap)
-  host_top      the ops and CUDA runtime calls with the most host time (launches,
-                cudaStreamSynchronize, ...)
+A step can spend its extra time on the host (Python, launches, waits) while its kernels
+take as long as plain torch's, which a table of kernels cannot show. A profile holds:
+  device_top    the kernels and ops with the most device time
+  device_busy   the union of the kernels' intervals over the profiled step's span (well
+                under 1: the GPU waited for the host); device_busy_us that union,
+                device_kernel_us the kernels' summed durations (more where streams overlap)
+  host_top      the ops and CUDA runtime calls with the most host time
   host_waits    the runtime calls that block the host until the device has caught up
-                (with one cudaDeviceSynchronize of the profile's own, ending the step)
-  host_runtime  every CUDA runtime and driver call (launches, copies, events) with its
-                count and host time; host_totals: counts and host time of all ops, all
-                runtime calls and the kernel launches among them (a host-cost model's inputs)
-  host_polls    the runtime calls that ask whether the device is done (a host that spins
-                on them is waiting too: stage 3's reducer does, once its bucket slots are
-                all in flight, see docs/architecture.md)
-  python_top    cProfile over a few further steps: the Python functions with the most
-                own time per step (ours, torch's, cupy's), file:line shortened
-  python_by_package  the same steps' own time per step by package (zerompi, torch, cupy,
-                ...), a C function's (a tensor op's launch) counted to the package that
-                called it: the host time that is ours
+                (one cudaDeviceSynchronize of the profile's own ends the step)
+  host_runtime  every CUDA runtime and driver call with its count and host time;
+                host_totals: counts and host time of all ops, runtime calls and launches
+  host_polls    the runtime calls that ask whether the device is done (a host spinning
+                on them waits too)
+  python_top, python_by_package  cProfile over a few further steps: own time per step by
+                function and by package (a C function's counted to the package that
+                called it: the host time that is ours)
 On the CPU the device rows are empty and the rest is the same, so the dry run checks it.
 """
 from __future__ import annotations
 
 import cProfile
+import gc
 import os
 import pstats
 
@@ -46,6 +40,16 @@ RUNTIME = "cu"  # the CUDA runtime's calls and the driver's (CuPy launches throu
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)  # benchmark timing only, never inside the engine
+
+
+def release(dev: torch.device) -> None:
+    """Free what dropped systems held: their reference cycles, and the blocks torch's
+    caching allocator keeps (else the next build's free memory excludes them)."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def _busy_us(events) -> tuple[float, float]:

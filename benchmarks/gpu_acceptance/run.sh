@@ -11,44 +11,31 @@
 # lacks there when deepspeed does not import (benchmarks/gpu_acceptance/peer_wheels.sh makes that set).
 # Steps, most important first; each runs under `timeout -s INT` with the smaller of its cap
 # and what is left of the budget (default 390 s), and does not start with less than its
-# minimum left (so a cut drops the last ones); expected seconds on an H100/H200 in brackets:
+# minimum left (a cut drops the last ones); expected seconds on an H100/H200 in brackets:
 #    1 env-probe     (cap  45 s) [16] env.json: GPU, driver, torch/cupy/NCCL, MPI, nvcc, peers
-#    2 mpi           (cap  45 s) [ 6] MPI from --wheels if none works, then 2 ranks (mpi_smoke.py here)
+#    2 mpi           (cap  45 s) [ 6] MPI from --wheels if none works, then 2 ranks (mpi_smoke.py)
 #    3 peers         (cap  30 s) [ 5] DeepSpeed from --wheels into a temporary --target when
-#                    deepspeed does not import (the e2e steps then see it); skip without wheels
-#    4 kernel-tests  (cap  90 s) [14] kernels_junit.xml: kernels vs numpy, GPU placement, NCCL dtypes,
-#                    the update's coefficient on the device (test_step_coef.py), the staged
-#                    offload and delayed update, pinned staging, the compiled host pass
-#    5 mpi-gpu-tests (cap 150 s) [76] mpi_junit.xml: every MPI test that needs the GPU (parity
-#                    N = 1 NCCL, N = 2-3 sharing the GPU, no device sync in a step, offload,
-#                    staged and NCCL collectives, device binding); -n 4 with pytest-xdist
-#    6 e2e           (cap 110 s) [65] e2e.json: GPT-2 124M (micro 8 x 1024): plain torch, FSDP2,
-#                    zerompi stages 0-3, then DeepSpeed ZeRO-2/3
-#                    in a group of their own; 8 rounds x 3 steps, the order reversed every other
-#                    round, ratios to torch per round; every system profiled (device busy, host
-#                    time per op and runtime call, Python time by package); a 60-step corpus run
-#    7 e2e-1b        (cap 130 s) [70] e2e_1b.json: the 1B preset (micro 4 x 1024): plain torch,
-#                    FSDP2, stages 0-3, 6 rounds x 2 steps, all profiled
-#    8 train-cmd     (cap  60 s) [20] `python -m zerompi.train` on 2 ranks, device auto, tiny
-#                    preset, 20 steps and a checkpoint (the log)
-#    9 proxy         (cap  60 s) host_proxy.json: benchmarks/bench_host_proxy.py, the host work
-#                    per step counted on this machine's CPU (beside the e2e JSONs' GPU profiles)
-#   10 offload       (cap 150 s) offload.json: benchmarks/bench_offload_gpu.py, the 1B preset, 3 steps,
-#                    the phases, --delayed, --capacity in one run
+#                    deepspeed does not import; skip without wheels
+#    4 kernel-tests  (cap  90 s) [14] kernels_junit.xml: the GPU unit tests (kernels, placement,
+#                    NCCL dtypes, the step's coefficient, offload, pinned staging, host pass)
+#    5 mpi-gpu-tests (cap 150 s) [76] mpi_junit.xml: every MPI test that needs the GPU; -n 4
+#    6 e2e           (cap 110 s) [65] e2e.json: bench_gpu_e2e.py, GPT-2 124M (micro 8 x 1024),
+#                    plain torch, FSDP2, stages 0-3, then DeepSpeed ZeRO-2/3 in a group of
+#                    their own; 8 rounds x 3 steps, all profiled; a 60-step corpus run
+#    7 e2e-1b        (cap 130 s) [70] e2e_1b.json: the 1B preset (micro 4 x 1024), 6 rounds x 2
+#    8 train-cmd     (cap  60 s) [20] `python -m zerompi.train` on 2 ranks, tiny, 20 steps + a checkpoint
+#    9 proxy         (cap  60 s) host_proxy.json: bench_host_proxy.py on this machine's CPU
+#   10 offload       (cap 150 s) offload.json: bench_offload_gpu.py, 1B, --delayed --capacity
 #   11 kernel-bench  (cap  30 s) [ 8] kernels_bench.json: fused AdamW / norm / cast bytes/s (1e8)
 #   12 build-tests   (cap  60 s) [20] build_junit.xml: nvcc and NVRTC compiles; in the default --skip
 # A step whose script is not in the checkout (proxy, offload) reports skip. --skip LIST
-# replaces the default list (build-tests); `--skip none` runs every step.
-# --commit SHA: the commit the tree holds, as the caller knows it (a copy of a working tree
-# sent to a GPU machine can carry a stale .git); recorded beside `git describe`.
-# Each step ends with a line "STEP <name> <ok|fail|timeout|skip> <seconds>s <detail>" in
-# acceptance.log and an entry in env.json's "steps", so a run cut off anywhere keeps the
-# probe and the answers so far; the log ends with the e2e table (e2e_summary.py here)
-# and the STEP lines.
-# --dry-run hides the GPUs (CUDA_VISIBLE_DEVICES=""): the same steps run, GPU tests skip
-# with their reasons, GPU-only benchmarks write {"skipped": why}, the e2e steps run the tiny
-# preset on the CPU (FSDP2 and DeepSpeed over gloo) and the proxy the tiny preset: a check
-# of the script, not a measurement.
+# replaces the default list (build-tests); `--skip none` runs every step. --commit SHA: the
+# commit the tree holds, as the caller knows it (a copied tree can carry a stale .git).
+# Each step ends with "STEP <name> <ok|fail|timeout|skip> <seconds>s <detail>" in
+# acceptance.log and an entry in env.json's "steps": a run cut off anywhere keeps what it
+# has; the log ends with the e2e table (e2e_summary.py) and the STEP lines.
+# --dry-run hides the GPUs (CUDA_VISIBLE_DEVICES=""): GPU tests skip with their reasons,
+# GPU-only benchmarks write {"skipped": why}, e2e and proxy run the tiny preset on the CPU.
 set -uo pipefail  # not -e: one failing step must not end the run
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 HERE=benchmarks/gpu_acceptance

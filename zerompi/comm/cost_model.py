@@ -72,10 +72,11 @@ class Link:
 #   rank, line rate, no protocol overhead); NVLink 4 on H100 SXM: 18 links x 25 GB/s =
 #   450 GB/s per direction per GPU; shared memory: a copy through a shared buffer at
 #   ~10 GB/s per rank (one core's memcpy bandwidth, order of magnitude).
-# - calibrated-vm: fitted, not assumed: benchmarks/calibrate_comm.py on a 2-core VM over
-#   pip MPICH's shared memory, one link fitted jointly to the engine's ordered
-#   reduce-scatter and all-gather at N = 2 (the machine, the fit at N = 4, per-op links and
-#   the check against real stage-2 steps: docs/scaling.md, benchmarks/results/).
+# - calibrated-vm: fitted, not assumed: benchmarks/calibrate_comm.py (deleted; in commit
+#   fc0676f) on a 2-core VM over pip MPICH's shared memory, one link fitted jointly to the
+#   engine's ordered reduce-scatter and all-gather at N = 2 (the machine, the fit at N = 4,
+#   per-op links and the check against real stage-2 steps: docs/scaling.md,
+#   benchmarks/results/).
 PRESETS: dict[str, Link] = {
     "shm": Link("shm", alpha=1e-6, beta=1 / 10e9),
     "nvlink": Link("nvlink", alpha=2e-6, beta=1 / 450e9),
