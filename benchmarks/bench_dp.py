@@ -2,7 +2,7 @@
 """Data-parallel CPU benchmark: zerompi stages 0-3 vs torch DDP, ZeroRedundancyOptimizer,
 FSDP2 and DeepSpeed ZeRO.
 
-The driver loops systems x models x N x malloc settings, one mpiexec job of this file's
+The driver loops systems x models x N, one mpiexec job of this file's
 --worker mode each (so peak RSS belongs to one system), merges the per-run JSON into one
 file and draws the PNG next to it; --replot redraws it:
 
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (DEFAULT_SHAPES, HERE, GiB, MALLOC_ENVS, RANK_ENV, current_rss, launch, machine_info, mem_info,
+from harness import (DEFAULT_SHAPES, HERE, GiB, RANK_ENV, current_rss, launch, machine_info, mem_info,
                      peak_rss_process, pyplot, quiet_barrier, reset_hwm, result_path, save_figure, software_info,
                      vm_hwm, wait_quiet, write_json)
 from dp_systems import (OPTIONAL_SYSTEMS, SYSTEMS, build_system, default_bucket, expected_model_state_bytes,
@@ -126,8 +126,6 @@ def worker(args) -> None:
         "model": args.model, "n": world, "params": psi, "micro_batch": bsz, "seq_len": seq,
         "tokens_per_step": world * bsz * seq, "warmup": args.warmup, "steps": args.steps,
         "threads_per_rank": 1, "oversubscribed": world > ncores,
-        "malloc": args.malloc_label,
-        "malloc_env": {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_",) if k in os.environ},
         "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": args.weight_decay},
         "step_time_s_per_step": [float(t) for t in step_max],
@@ -149,7 +147,7 @@ def worker(args) -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"[bench_dp] {args.system:15s} {args.model:9s} N={world} malloc={args.malloc_label}: "
+    print(f"[bench_dp] {args.system:15s} {args.model:9s} N={world}: "
           f"median step {med:.3f}s (cpu {res['step_cpu_s_median_mean_rank']:.3f}s/rank), "
           f"{res['tokens_per_s']:.0f} tok/s, "
           f"peak RSS/rank {res['peak_rss_process_bytes_max_rank'] / GiB:.2f} GiB "
@@ -220,12 +218,12 @@ def driver(args) -> None:
                                     "max over ranks per step, median over timed steps"},
            "oversubscribed_n": [n for n in args.nranks if n > (os.cpu_count() or 1)],
            "formulas": FORMULAS, "runs": [], "skipped": [], "failed": []}
-    plan = [(m, n, s, mal) for m in args.models for n in args.nranks for mal in args.malloc for s in args.systems]
+    plan = [(m, n, s) for m in args.models for n in args.nranks for s in args.systems]
     t_all = time.monotonic()
-    for i, (m, n, s, mal) in enumerate(plan):
-        tag = f"{s}__{m}__n{n}__{mal}"
+    for i, (m, n, s) in enumerate(plan):
+        tag = f"{s}__{m}__n{n}"
         reason, pred = skip_reason(args, s, m, n)
-        entry = {"system": s, "model": m, "n": n, "malloc": mal, "predicted_total_bytes": pred}
+        entry = {"system": s, "model": m, "n": n, "predicted_total_bytes": pred}
         if reason:
             doc["skipped"].append({**entry, "reason": reason})
             print(f"[driver] skip {tag}: {reason}", flush=True)
@@ -236,12 +234,11 @@ def driver(args) -> None:
         steps = args.steps_large if count_params(PRESETS[m]) >= 100_000_000 else args.steps
         argv = [HERE / "bench_dp.py", "--worker", "--system", s, "--model", m, "--micro-batch", bsz,
                 "--seq-len", seq, "--warmup", args.warmup, "--steps", steps, "--lr", args.lr,
-                "--weight-decay", args.weight_decay, "--seed", args.seed, "--malloc-label", mal, "--out", rfile,
+                "--weight-decay", args.weight_decay, "--seed", args.seed, "--out", rfile,
                 "--bucket-size", args.bucket_size]
         print(f"[driver] ({i + 1}/{len(plan)}) {tag}: predicted {pred / GiB:.1f} GiB", flush=True)
         try:
-            job = launch(n, [str(a) for a in argv], timeout=args.run_timeout, env=MALLOC_ENVS[mal],
-                         log=work / f"{tag}.log")
+            job = launch(n, [str(a) for a in argv], timeout=args.run_timeout, log=work / f"{tag}.log")
         except KeyboardInterrupt:  # the job is killed; keep what finished
             print("[driver] interrupted; writing what finished", flush=True)
             break
@@ -273,7 +270,7 @@ def plot(doc: dict, png) -> None:
     dot: CPU seconds per step, mean over ranks) and peak RSS per rank during the steps (the
     faded part: the runtime before the model; black dot: the whole process's peak; red dash:
     runtime + the ZeRO formula's model states; dotted: 16*Psi/N). Runs grouped by N, inside
-    a group ordered by ZeRO stage; hatched: MALLOC_MMAP_THRESHOLD_=131072."""
+    a group ordered by ZeRO stage."""
     from matplotlib.patches import Patch
 
     plt = pyplot()
@@ -281,21 +278,19 @@ def plot(doc: dict, png) -> None:
     models = list(dict.fromkeys(r["model"] for r in runs))
     stage = lambda s: parse_system(s)[1] or 0  # noqa: E731  (ddp, torch-zero: stage 0 and 1 alike)
     systems = sorted({r["system"] for r in runs}, key=lambda s: (stage(s), list(COLORS).index(s) if s in COLORS else 99))
-    series = [(s, mal) for s in systems for mal in dict.fromkeys(r["malloc"] for r in runs)]
-    width = 0.84 / max(1, len(series))
+    width = 0.84 / max(1, len(systems))
     fig, axes = plt.subplots(2, max(1, len(models)), figsize=(max(8.0, 8.0 * len(models)), 9.0), squeeze=False)
     for c, model in enumerate(models):
         mruns = [r for r in runs if r["model"] == model]
         ns = sorted({r["n"] for r in mruns})
         ax_t, ax_m = axes[0][c], axes[1][c]
-        for j, (s, mal) in enumerate(series):
+        for j, s in enumerate(systems):
             for k, n in enumerate(ns):
-                hit = [r for r in mruns if (r["system"], r["malloc"], r["n"]) == (s, mal, n)]
+                hit = [r for r in mruns if (r["system"], r["n"]) == (s, n)]
                 if not hit:
                     continue
-                r, x = hit[0], k + (j - (len(series) - 1) / 2) * width
-                style = dict(color=COLORS.get(s, "grey"), hatch="//" if mal != "default" else "", edgecolor="black",
-                             linewidth=0.4, zorder=2)
+                r, x = hit[0], k + (j - (len(systems) - 1) / 2) * width
+                style = dict(color=COLORS.get(s, "grey"), edgecolor="black", linewidth=0.4, zorder=2)
                 med = r["step_time_s_median"]
                 ax_t.bar(x, med, width, **style)
                 ax_t.errorbar(x, med, yerr=[[med - r["step_time_s_min"]], [r["step_time_s_max"] - med]],
@@ -334,10 +329,6 @@ def main(argv=None) -> None:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     ap.add_argument("--models", nargs="+", default=["gpt-20m", "gpt-200m"])
     ap.add_argument("--nranks", nargs="+", type=int, default=[2, 4])
-    ap.add_argument("--malloc", nargs="+", default=["default"], choices=list(MALLOC_ENVS),
-                    help="driver: glibc malloc settings to run every system under "
-                         "(add mmap128k for MALLOC_MMAP_THRESHOLD_=131072 runs)")
-    ap.add_argument("--malloc-label", default=None, help="worker: recorded malloc setting name")
     ap.add_argument("--micro-batch", type=int, default=0, help="sequences per rank (0: per-model default)")
     ap.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: per-model default)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -364,8 +355,6 @@ def main(argv=None) -> None:
         driver(args)
     else:
         parse_system(args.system)
-        args.malloc_label = args.malloc_label or (
-            "mmap128k" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default")
         worker(args)
 
 

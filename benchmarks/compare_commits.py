@@ -241,7 +241,7 @@ def driver(args) -> int:
             argv = [HERE / "compare_commits.py", "--worker", roots[side], "--", "--worker", "--system",
                     f"zerompi-{cfg['stage']}", "--model", cfg["model"], "--micro-batch", cfg["micro_batch"],
                     "--seq-len", cfg["seq_len"], "--warmup", args.warmup, "--steps", cfg["steps"],
-                    "--seed", args.seed, "--malloc-label", "default", "--out", rfile]
+                    "--seed", args.seed, "--out", rfile]
             wait_quiet(args.wait_quiet, args.wait_quiet_max)  # other work on the cores skews timings
             job = launch(cfg["n"], [str(a) for a in argv], timeout=args.run_timeout, root=roots[side],
                          log=work / f"{tag}.log")

@@ -25,12 +25,6 @@ from zerompi.runtime import jobs  # noqa: E402
 GiB = 1 << 30
 # Per-rank micro-batch (sequences) and sequence length per model; identical for all systems.
 DEFAULT_SHAPES = {"tiny": (2, 64), "small": (2, 128), "gpt-20m": (4, 256), "gpt-200m": (1, 256)}
-MALLOC_ENVS = {
-    "default": {},
-    # glibc keeps freed large blocks in the heap once its dynamic mmap threshold has
-    # grown; a fixed 128 KiB threshold returns them to the OS, so RSS follows frees.
-    "mmap128k": {"MALLOC_MMAP_THRESHOLD_": "131072"},
-}
 RANK_ENV = jobs.LOCAL_ENV
 # A segment another job created a moment ago may not be mapped yet: only older ones go.
 SHM_MIN_AGE_S = 2.0
