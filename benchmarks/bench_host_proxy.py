@@ -12,14 +12,13 @@ Per run, after --warmup steps: CPU seconds a step (world 1, in this process), an
 (engine.comm_stats() deltas), stage 3's agreement rounds and Python time by package
 (step_profile.python_top). --world 2,4: the counts on N ranks (this file's --worker mode
 under mpiexec, rank 0's). The engine is bench_gpu_e2e.py's (engine_config) with the
-skeleton's bucket and alignment and the fused optimizer, the GPU's choice; --storage-swap
-gpu: stage 3 as under the GPU machine's torch (no UntypedStorage._swap_data_ptr_).
+skeleton's bucket and alignment and the fused optimizer, the GPU's choice; stage 3 as under
+the GPU machine's torch (no UntypedStorage._swap_data_ptr_) whatever this torch has.
 Needs a working MPI even at world 1; without one it says so in one line (exit 2).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -158,22 +157,15 @@ def timed(step, batch, a) -> dict:
     return out
 
 
-def storage_swaps(mode: str):
-    """--storage-swap gpu: stage 3 takes the path of the GPU machine's torch 2.11, which
-    has no UntypedStorage._swap_data_ptr_ (units resize their own storage instead of
-    borrowing gather-pool slots); native: whatever this torch has."""
-    from zerompi.zero.stage3 import gather_pool
-
-    return mock.patch.object(gather_pool, "available", lambda: False) if mode == "gpu" else contextlib.nullcontext()
-
-
 def run_all(a, world: int) -> dict:
     """{model: {run: record}} of this process (rank) at `world` ranks."""
     import zerompi
+    from zerompi.zero.stage3 import gather_pool
 
     zerompi.runtime.init()
     out = {}
-    with hc.instrumented(), storage_swaps(a.storage_swap):
+    # the GPU machine's torch 2.11 has no storage swaps: its stage-3 units resize their own storage
+    with hc.instrumented(), mock.patch.object(gather_pool, "available", lambda: False):
         for preset in a.models:
             sk = hs.find(preset, worlds=tuple(sorted({1, 2, 4} | set(a.world) | {world})))
             batch = make_batch(sk.gpt, a.micro)
@@ -216,8 +208,7 @@ def ranks(a, world: int) -> dict:
 
     argv = [HERE / "bench_host_proxy.py", "--worker", "--models", ",".join(a.models),
             "--stages", ",".join(map(str, a.stages)), "--world", ",".join(map(str, a.world)),
-            "--warmup", "1", "--count-steps", str(a.count_steps), "--micro", str(a.micro),
-            "--storage-swap", a.storage_swap]
+            "--warmup", "1", "--count-steps", str(a.count_steps), "--micro", str(a.micro)]
     job = launch(world, argv, timeout=a.rank_timeout)
     for line in job.output.splitlines():
         if line.startswith("HOST_PROXY_JSON "):
@@ -236,8 +227,6 @@ def parse(argv=None):
     ap.add_argument("--count-steps", type=int, default=2, help="steps counted under the dispatch mode")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under cProfile (0: none)")
     ap.add_argument("--counts-only", action="store_true", help="no timed or profiled steps (tests)")
-    ap.add_argument("--storage-swap", choices=("gpu", "native"), default="gpu",
-                    help="gpu: stage 3 as with the GPU machine's torch 2.11 (no storage swaps); native: this torch")
     ap.add_argument("--rank-timeout", type=float, default=300.0, help="seconds for each mpiexec job")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG beside a result JSON from the JSON alone")
@@ -272,7 +261,7 @@ def main(argv=None) -> int:
     t0, load0 = time.perf_counter(), os.getloadavg()
     result = {"machine": machine_info(), "torch": torch.__version__, "code": git_info(),
               "commit_given": os.environ.get("ZEROMPI_COMMIT"), "argv": sys.argv[1:], "micro": a.micro,
-              "steps": a.steps, "count_steps": a.count_steps, "storage_swap": a.storage_swap,
+              "steps": a.steps, "count_steps": a.count_steps, "storage_swap": "gpu",
               "torch_has_storage_swap": hasattr(torch.UntypedStorage, "_swap_data_ptr_"), "models": {}}
     if 1 in a.world:
         result["models"] = run_all(a, 1)
