@@ -44,23 +44,11 @@ import torch
 from harness import machine_info  # first: puts this checkout's zerompi on sys.path
 import zerompi  # noqa: E402
 from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
-from e2e_systems import build, check_names, end_process_group, engine_config, new_model  # noqa: E402
+from e2e_systems import batches, build, check_names, end_process_group, engine_config, new_model  # noqa: E402
 from step_profile import profile_step, release, sync  # noqa: E402
 
 GiB = 1 << 30
 POOL = 4  # distinct batches, made once on the device and shared by every system
-
-
-def batches(cfg, micro: int, seq: int, dev, n: int, corpus=None):
-    """Random tokens, or windows of `corpus` (a 1-D int tensor) when given."""
-    g = torch.Generator().manual_seed(0)
-    for _ in range(n):
-        if corpus is None:
-            x = torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g)
-        else:
-            starts = torch.randint(0, len(corpus) - seq - 1, (micro,), generator=g)
-            x = torch.stack([corpus[i:i + seq + 1] for i in starts.tolist()])
-        yield x[:, :-1].to(dev), x[:, 1:].to(dev)
 
 
 def load_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:

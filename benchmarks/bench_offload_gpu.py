@@ -39,8 +39,9 @@ from harness import machine_info, mem_info  # first: puts this checkout's zeromp
 import torch  # noqa: E402
 
 import zerompi  # noqa: E402
-from zerompi.models.gpt import GPT, PRESETS, count_params  # noqa: E402
+from zerompi.models.gpt import PRESETS, count_params  # noqa: E402
 from zerompi.models.gpt_config import GPTConfig  # noqa: E402
+from e2e_systems import batches, new_model  # noqa: E402
 from step_profile import release, sync  # noqa: E402
 
 GB = 1e9
@@ -94,24 +95,11 @@ def config(offload: bool, delayed: bool = False, gas: int = 1) -> dict:
     return cfg
 
 
-def build(cfg: GPTConfig, dev, zcfg: dict):
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = GPT(cfg)
-    return zerompi.initialize(model, zcfg)
-
-
-def batch(cfg, micro: int, seq: int, dev, g):
-    x = torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g).to(dev)
-    return x[:, :-1], x[:, 1:]
-
-
 def run(cfg, a, dev, offload: bool, delayed: bool = False, gas: int = 1) -> dict:
     t0 = time.perf_counter()
-    engine = build(cfg, dev, config(offload, delayed, gas))
+    engine = zerompi.initialize(new_model(cfg, dev), config(offload, delayed, gas))
     rec = {"gas": gas, "tokens_per_step": a.micro * a.seq * gas, "build_s": time.perf_counter() - t0}
-    g = torch.Generator().manual_seed(0)
-    data = [batch(cfg, a.micro, a.seq, dev, g) for _ in range(gas)]
+    data = list(batches(cfg, a.micro, a.seq, dev, gas))
 
     def step():
         for x, y in data:

@@ -64,6 +64,18 @@ def new_model(cfg, dev: torch.device) -> GPT:
         return GPT(cfg)
 
 
+def batches(cfg, micro: int, seq: int, dev, n: int, corpus=None):
+    """Random tokens, or windows of `corpus` (a 1-D int tensor) when given."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        if corpus is None:
+            x = torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g)
+        else:
+            starts = torch.randint(0, len(corpus) - seq - 1, (micro,), generator=g)
+            x = torch.stack([corpus[i:i + seq + 1] for i in starts.tolist()])
+        yield x[:, :-1].to(dev), x[:, 1:].to(dev)
+
+
 def adamw(params, dev: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=dev.type == "cuda")
 

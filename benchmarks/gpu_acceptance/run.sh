@@ -28,8 +28,7 @@
 #   10 offload       (cap 150 s) offload.json: bench_offload_gpu.py, 1B, --delayed --capacity
 #   11 kernel-bench  (cap  30 s) [ 8] kernels_bench.json: fused AdamW / norm / cast bytes/s (1e8)
 #   12 build-tests   (cap  60 s) [20] build_junit.xml: nvcc and NVRTC compiles; in the default --skip
-# A step whose script is not in the checkout (proxy, offload) reports skip. --skip LIST
-# replaces the default list (build-tests); `--skip none` runs every step. --commit SHA: the
+# --skip LIST replaces the default list (build-tests); `--skip none` runs every step. --commit SHA: the
 # commit the tree holds, as the caller knows it (a copied tree can carry a stale .git).
 # Each step ends with "STEP <name> <ok|fail|timeout|skip> <seconds>s <detail>" in
 # acceptance.log and an entry in env.json's "steps": a run cut off anywhere keeps what it
@@ -119,16 +118,6 @@ pytest_step() {  # pytest_step NAME CAP MIN JUNIT PYTEST-ARGS...
 mpi_works() {
     command -v mpiexec >/dev/null &&
         timeout 60 mpiexec -n 2 "$PY" -c "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()" >>"$LOG" 2>&1
-}
-# script_absent NAME SCRIPT OUTFILE...: true, and step NAME reported as skipped with
-# {"skipped": why} in each OUTFILE, when SCRIPT (another part of the project) is not here
-script_absent() {
-    local name=$1 script=$2
-    shift 2
-    [ -f "$script" ] && return 1
-    for f in "$@"; do skip_json "$f" "$script not in this checkout"; done
-    report "$name" skip 0 "$script not in this checkout"
-    return 0
 }
 
 log "gpu_acceptance: $(date -u +%FT%TZ) commit $(git describe --always --dirty 2>/dev/null)${ZEROMPI_COMMIT:+ (given: $ZEROMPI_COMMIT)} budget ${BUDGET}s dry-run $DRY"
@@ -262,23 +251,17 @@ else
 fi
 
 # 9 ---------------------------------------------------------------- host-cost proxy (CPU)
-if ! script_absent proxy benchmarks/bench_host_proxy.py "$OUT/host_proxy.json"; then
-    if [ "$DRY" = 1 ]; then pargs=(--models tiny --stages 0,3); else pargs=(--models gpt2,gpt-1b --stages 0,1,2,3); fi
-    step proxy 60 20 "$PY" benchmarks/bench_host_proxy.py "${pargs[@]}" --world 1 --no-plot \
-        --out "$OUT/host_proxy.json"
-fi
+if [ "$DRY" = 1 ]; then pargs=(--models tiny --stages 0,3); else pargs=(--models gpt2,gpt-1b --stages 0,1,2,3); fi
+step proxy 60 20 "$PY" benchmarks/bench_host_proxy.py "${pargs[@]}" --world 1 --no-plot --out "$OUT/host_proxy.json"
 
 # 10 --------------------------------------------------------------- offloaded optimizer
-OFFLOAD_OUT=("$OUT/offload.json")
-if ! script_absent offload benchmarks/bench_offload_gpu.py "${OFFLOAD_OUT[@]}"; then
-    if [ "$GPU" = True ]; then
-        # one run: the phases, the delayed update at a batch it can hide behind, capacity
-        step offload 150 40 "$PY" benchmarks/bench_offload_gpu.py --preset gpt-1b --steps 3 --delayed \
-            --capacity --out "$OUT/offload.json"
-    else
-        for f in "${OFFLOAD_OUT[@]}"; do skip_json "$f" "$NOGPU"; done
-        report offload skip 0 "$NOGPU"
-    fi
+if [ "$GPU" = True ]; then
+    # one run: the phases, the delayed update at a batch it can hide behind, capacity
+    step offload 150 40 "$PY" benchmarks/bench_offload_gpu.py --preset gpt-1b --steps 3 --delayed \
+        --capacity --out "$OUT/offload.json"
+else
+    skip_json "$OUT/offload.json" "$NOGPU"
+    report offload skip 0 "$NOGPU"
 fi
 
 # 11, 12 ----------------------------------------------------------- answered before: if time is left
