@@ -3,7 +3,7 @@
 # a hard time budget, results written as the steps finish.
 #
 #   bash benchmarks/gpu_acceptance/run.sh OUTDIR [--dry-run] [--wheels DIR] [--budget S]
-#        [--skip STEP,...|none] [--kernel-sizes 1e8] [--e2e-preset gpt2] [--commit SHA]
+#        [--skip STEP,...|none] [--e2e-preset gpt2] [--commit SHA]
 #
 # Runs from the repository root without installing into the image (PYTHONPATH is the
 # checkout); from --wheels DIR it installs, into temporary folders, MPICH when mpi4py
@@ -26,8 +26,7 @@
 #    8 train-cmd     (cap  60 s) [20] `python -m zerompi.train` on 2 ranks, tiny, 20 steps + a checkpoint
 #    9 proxy         (cap  60 s) host_proxy.json: bench_host_proxy.py on this machine's CPU
 #   10 offload       (cap 150 s) offload.json: bench_offload_gpu.py, 1B, --delayed --capacity
-#   11 kernel-bench  (cap  30 s) [ 8] kernels_bench.json: fused AdamW / norm / cast bytes/s (1e8)
-#   12 build-tests   (cap  60 s) [20] build_junit.xml: nvcc and NVRTC compiles; in the default --skip
+#   11 build-tests   (cap  60 s) [20] build_junit.xml: nvcc and NVRTC compiles; in the default --skip
 # --skip LIST replaces the default list (build-tests); `--skip none` runs every step. --commit SHA: the
 # commit the tree holds, as the caller knows it (a copied tree can carry a stale .git).
 # Each step ends with "STEP <name> <ok|fail|timeout|skip> <seconds>s <detail>" in
@@ -44,14 +43,13 @@ usage() { sed -n '5,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 OUT="$1"
 shift
-DRY=0 WHEELS="" BUDGET=390 SKIP=",build-tests," KSIZES="1e8" PRESET="gpt2"
+DRY=0 WHEELS="" BUDGET=390 SKIP=",build-tests," PRESET="gpt2"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1; shift ;;
         --wheels) WHEELS="$(cd "$2" && pwd)" || usage; shift 2 ;;
         --budget) BUDGET="$2"; shift 2 ;;
         --skip) SKIP=",$2,"; shift 2 ;;
-        --kernel-sizes) KSIZES="$2"; shift 2 ;;
         --e2e-preset) PRESET="$2"; shift 2 ;;
         --commit) export ZEROMPI_COMMIT="$2"; shift 2 ;;
         *) usage ;;
@@ -60,7 +58,7 @@ done
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/acceptance.log" ENVF="$OUT/env.json"
-rm -f "$LOG" "$ENVF" "$OUT"/{kernels_junit.xml,kernels_bench.json,mpi_junit.xml,e2e.json,build_junit.xml,e2e_1b.json} \
+rm -f "$LOG" "$ENVF" "$OUT"/{kernels_junit.xml,mpi_junit.xml,e2e.json,build_junit.xml,e2e_1b.json} \
     "$OUT"/{host_proxy.json,offload.json}
 START=$(date +%s)
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
@@ -264,13 +262,7 @@ else
     report offload skip 0 "$NOGPU"
 fi
 
-# 11, 12 ----------------------------------------------------------- answered before: if time is left
-if [ "$GPU" = True ]; then
-    step kernel-bench 30 15 "$PY" benchmarks/bench_kernels_gpu.py --sizes "$KSIZES" --out "$OUT/kernels_bench.json"
-else
-    skip_json "$OUT/kernels_bench.json" "$NOGPU"
-    report kernel-bench skip 0 "$NOGPU"
-fi
+# 11 ---------------------------------------------------------------- answered before: if time is left
 pytest_step build-tests 60 20 build_junit.xml tests/unit/test_kernels_build.py -k "nvcc_compiles or nvrtc_compiles"
 
 log "=== e2e summary"
