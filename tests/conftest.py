@@ -36,7 +36,8 @@ def _launches_mpi(module) -> bool:
 # Tests that must share a pytest-xdist worker (run.sh: -n 2 --dist loadgroup), by what
 # they share: a session's Slurm cluster, its simulated nodes, the base checkpoints, or
 # (batched cases) the launches, one after another; every other multirank/ or system/ file
-# stays on one worker, so its module fixtures are built once.
+# stays on one worker, so its module fixtures are built once, and so do the tests of a
+# unit/ file that use one of its module fixtures (an nvcc-built harness).
 FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
 OWN_NODES = ("test_multinode_loss.py", "test_node_loss_soak.py")  # build simulated nodes and a Slurm of their own
 
@@ -52,7 +53,17 @@ def _xdist_group(item, rel: tuple) -> str | None:
 
         value = cases_of(item)
         return group_name(value) if value is not None else None
-    return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
+    if rel[0] in TIER_MARKS and len(rel) > 1 or _module_fixture(item):
+        return "/".join(rel)
+    return None
+
+
+def _module_fixture(item) -> bool:
+    """The test uses a module-scoped fixture of its own file (a compiled harness, a
+    trained tokenizer): its file's tests then share a worker and build it once."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d[-1].scope == "module" and d[-1].baseid == item.nodeid.split("::")[0]
+               for d in defs.values() if d)
 
 
 def pytest_addoption(parser):

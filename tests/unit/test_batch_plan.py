@@ -84,3 +84,23 @@ def test_worker_order_puts_the_launches_and_the_waiting_groups_first():
     got = [i.nodeid for i in _worker_order(items)]
     assert HEAD == ("batch", "slurm", "netns")
     assert got == ["c4", "c4b", "c2", "c1", "s1", "s2", "n1", "b1", "b2", "b3", "a1", "a2", "u1", "u2"]
+
+
+def test_a_unit_files_module_fixture_keeps_its_tests_on_one_worker():
+    """Tests that use a module-scoped fixture of their own file share an xdist group (the
+    fixture is built once); a module fixture of another file, or a function-scoped one,
+    leaves an in-process test free to go to either worker."""
+    from types import SimpleNamespace
+
+    from conftest import _xdist_group
+
+    def item(scope, baseid):
+        defs = {"f": [SimpleNamespace(scope=scope, baseid=baseid)]}
+        return SimpleNamespace(nodeid="tests/unit/test_x.py::test_a", fixturenames=["f"],
+                               _fixtureinfo=SimpleNamespace(name2fixturedefs=defs))
+
+    rel = ("unit", "test_x.py")
+    assert _xdist_group(item("module", "tests/unit/test_x.py"), rel) == "unit/test_x.py"
+    assert _xdist_group(item("module", "tests/unit/test_y.py"), rel) is None
+    assert _xdist_group(item("function", "tests/unit/test_x.py"), rel) is None
+    assert _xdist_group(item("module", "tests/multirank/test_x.py"), ("multirank", "test_x.py")) == "multirank/test_x.py"
