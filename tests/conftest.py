@@ -35,8 +35,9 @@ def _launches_mpi(module) -> bool:
 
 # Tests that must share a pytest-xdist worker (run.sh: -n 2 --dist loadgroup), by what
 # they share: a session's Slurm cluster, its simulated nodes, the base checkpoints, or
-# (batched cases) the launches per world size; every other multirank/ or system/ file
-# stays on one worker, so its module fixtures are built once.
+# (batched cases) the launches, one after another; every other multirank/ or system/ file
+# stays on one worker, so its module fixtures are built once, and so do the tests of a
+# unit/ file that use one of its module fixtures (an nvcc-built harness).
 FIXTURE_GROUPS = {"slurm_cluster": "slurm", "net_nodes": "netns", "net_slurm": "netns", "ckpt_base": "ckpt"}
 OWN_NODES = ("test_multinode_loss.py", "test_node_loss_soak.py")  # build simulated nodes and a Slurm of their own
 
@@ -47,12 +48,22 @@ def _xdist_group(item, rel: tuple) -> str | None:
             return group
     if rel[-1] in OWN_NODES:
         return "netns"
-    if "result" in item.fixturenames:  # batched cases: one group per world size (support/batch.py)
+    if "result" in item.fixturenames:  # batched cases: one group (support/batch.py, group_name)
         from batch import cases_of, group_name
 
         value = cases_of(item)
         return group_name(value) if value is not None else None
-    return "/".join(rel) if rel[0] in TIER_MARKS and len(rel) > 1 else None
+    if rel[0] in TIER_MARKS and len(rel) > 1 or _module_fixture(item):
+        return "/".join(rel)
+    return None
+
+
+def _module_fixture(item) -> bool:
+    """The test uses a module-scoped fixture of its own file (a compiled harness, a
+    trained tokenizer): its file's tests then share a worker and build it once."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d[-1].scope == "module" and d[-1].baseid == item.nodeid.split("::")[0]
+               for d in defs.values() if d)
 
 
 def pytest_addoption(parser):
@@ -97,27 +108,28 @@ def pytest_collection_modifyitems(config, items):
         items[:] = _worker_order(items)
 
 
-# The groups that wait (Slurm's 30 s time-limit checks; a lost node declared down after
-# 30 s) go to the head of the queue with the batched launches between them: one worker
-# takes slurm while the other runs the launches one after another, which then share the
-# cores with little more than Slurm's sleepers (the 2-rank launch: 40 CPU-s there, 80-85
-# beside other jobs); netns follows. The rest keeps xdist's own order (most tests per
-# group first; run.sh passes --no-loadscope-reorder so that this order stands). Measured
-# on "vm" when it was set: 520-589 s, busy 936-996 core-s, idle 85-92 (597-652 s, busy
-# 1044-1174, idle 111-134 in xdist's order); 2026-11-27 late: 452-523 s, idle 28-73.
-# Which worker takes netns depends on timing; see tests/README.
-HEAD = ("slurm", "batch-n2", "batch-n4", "batch-n3", "netns")
+# The batched launches (one group: support/batch.py, group_name) go to the head of the
+# queue beside the groups that wait (Slurm's 30 s time-limit checks; a lost node declared
+# down after 30 s): one worker runs the launches one after another, largest world size
+# first, while the other takes slurm, then netns, whose jobs mostly sleep. Launches side
+# by side (the earlier layout, one group per world size) cost more CPU than one after
+# another: ranks poll while a peer is descheduled (docs/performance.md, "The test
+# suite"). The rest keeps xdist's own order (most tests per group first; run.sh passes
+# --no-loadscope-reorder so that this order stands).
+HEAD = ("batch", "slurm", "netns")
 
 
 def _worker_order(items: list) -> list:
-    from batch import launch_group
+    from batch import launch_group, size_of
 
     scopes = [launch_group(i) or i.nodeid for i in items]
     count, first = Counter(scopes), {}
     for k, sc in enumerate(scopes):
         first.setdefault(sc, k)
     key = {sc: (HEAD.index(sc) if sc in HEAD else len(HEAD), -count[sc], first[sc]) for sc in first}
-    return [i for _, i in sorted(zip(scopes, items), key=lambda p: key[p[0]])]
+    within = [-size_of(i) if sc == "batch" else 0 for sc, i in zip(scopes, items)]
+    order = sorted(range(len(items)), key=lambda k: (key[scopes[k]], within[k], k))
+    return [items[k] for k in order]
 
 
 @pytest.fixture

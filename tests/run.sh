@@ -44,8 +44,8 @@ python -m compileall -q zerompi tests benchmarks > /dev/null
 # Two pytest-xdist workers (the `test` extra): while one waits (a Slurm job, a deadline, a
 # rank that sleeps) the other runs. Three (574-689 s, measured before the order below)
 # cost CPU in contention and stretched start-up-sensitive timings (tests/README.md). The groups that must
-# share a worker (one Slurm cluster, one bed of simulated nodes, the batched cases of one
-# world size) are set by tests/conftest.py; ZEROMPI_TEST_WORKERS=N sets the number, 0 runs
+# share a worker (one Slurm cluster, one bed of simulated nodes, the batched launches) are
+# set by tests/conftest.py; ZEROMPI_TEST_WORKERS=N sets the number, 0 runs
 # everything in this one process.
 n_workers="${ZEROMPI_TEST_WORKERS:-2}"
 workers=(-n "$n_workers" --dist loadgroup --no-loadscope-reorder)  # the order: conftest.py HEAD

@@ -89,11 +89,20 @@ def sizes(value) -> set[int]:
 
 
 def group_name(value) -> str:
-    """The pytest-xdist group of a test with these cases (conftest.py): one per world size,
-    so the launches of different sizes run on different workers side by side; a test
-    whose cases span sizes (a resume at another N) goes with its largest, and that worker
-    launches the other size for those cases alone."""
-    return f"batch-n{max(sizes(value), default=0)}"
+    """The pytest-xdist group of a test with these cases (conftest.py): one group for
+    every batched test, so that one worker runs the launches one after another (a launch
+    beside another costs more CPU than alone: ranks poll while a peer is descheduled) and
+    a case that needs another size's case (a resume at another N) finds it done in the
+    same session's Batches instead of a launch of its own."""
+    return "batch"
+
+
+def size_of(item) -> int:
+    """The largest world size among a test's cases (0: not batched): conftest.py runs the
+    batch group's tests largest first, so that a smaller launch finds the checkpoints a
+    larger one saved for it."""
+    value = cases_of(item)
+    return max(sizes(value), default=0) if value is not None else 0
 
 
 def launch_group(item) -> str | None:

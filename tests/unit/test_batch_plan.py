@@ -1,13 +1,13 @@
 """How tests/support/batch.py plans a session's batched cases, without launching: every
 selected test's cases once, what a case needs before it, the longest timeout asked for
 an equal case, nothing of tests skipped at collection, only the cases of the asking
-test's xdist group (one group per world size); and the order the workers take the
+test's xdist group (one for every batched test); and the order the workers take the
 groups in (conftest.py)."""
 import types
 
 import pytest
 
-from batch import Batches, Case, batched, cases_of, group_name, worker
+from batch import Batches, Case, batched, cases_of, group_name, size_of, worker
 
 
 class Item:
@@ -49,32 +49,58 @@ def test_case_names_and_equality():
 
 
 def test_plan_per_group_and_group_names():
-    """A worker plans only its group's cases (another worker runs the others); a test whose
-    cases span sizes goes with its largest size."""
+    """A worker plans only its group's cases (another worker runs the others); every
+    batched test is in one group, whatever sizes its cases span."""
     save = worker(4, "tp_parity", "--save", "{tmp}/ck")
     load = worker(3, "tp_parity", "--load", "{tmp}/ck", needs=(save,))
     odd = worker(3, "parity", "--model", "odd")
-    assert group_name(load) == group_name((odd, save)) == "batch-n4" and group_name(odd) == "batch-n3"
-    items = [Item(lambda: odd, group="batch-n3"), Item(lambda: load, group="batch-n4")]
+    assert group_name(load) == group_name((odd, save)) == group_name(odd) == "batch"
+    items = [Item(lambda: odd, group="g1"), Item(lambda: load, group="g2")]
     b = Batches(types.SimpleNamespace(items=items), None)
-    assert b._plan("batch-n3") == [odd]
-    assert b._plan("batch-n4") == [save, load]
+    assert b._plan("g1") == [odd]
+    assert b._plan("g2") == [save, load]
+    assert [size_of(i) for i in items] == [3, 4]  # the largest size, needs included
 
 
-def test_worker_order_puts_the_waiting_groups_and_the_launches_first():
-    """conftest.HEAD first, in its order; then the other groups, most tests first; a group's
-    tests keep their order and stay together; ungrouped tests keep theirs."""
+def test_worker_order_puts_the_launches_and_the_waiting_groups_first():
+    """conftest.HEAD first, in its order, the batch group's tests largest world size first
+    (a smaller launch then finds what a larger one saved for it); then the other groups,
+    most tests first; a group's tests keep their order and stay together; ungrouped tests
+    keep theirs."""
     from types import SimpleNamespace
 
     from conftest import HEAD, _worker_order
 
-    def item(nodeid, group=None):
-        mark = SimpleNamespace(args=(group,)) if group else None
-        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name, m=mark: m)
+    def item(nodeid, group=None, n=None):
+        marks = {"xdist_group": SimpleNamespace(args=(group,)) if group else None}
+        if n is not None:
+            marks["batched"] = batched(lambda: worker(n, "w")).mark
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name, m=marks: m.get(name),
+                               iter_markers=lambda name: iter(()), callspec=None)
 
     items = [item("u1"), item("a1", "files/a"), item("n1", "netns"), item("b1", "files/b"), item("s1", "slurm"),
-             item("b2", "files/b"), item("u2"), item("c1", "batch-n2"), item("s2", "slurm"), item("a2", "files/a"),
-             item("b3", "files/b")]
+             item("b2", "files/b"), item("u2"), item("c2", "batch", 2), item("s2", "slurm"), item("a2", "files/a"),
+             item("c4", "batch", 4), item("b3", "files/b"), item("c1", "batch", 1), item("c4b", "batch", 4)]
     got = [i.nodeid for i in _worker_order(items)]
-    assert HEAD.index("slurm") < HEAD.index("batch-n2") < HEAD.index("netns")
-    assert got == ["s1", "s2", "c1", "n1", "b1", "b2", "b3", "a1", "a2", "u1", "u2"]
+    assert HEAD == ("batch", "slurm", "netns")
+    assert got == ["c4", "c4b", "c2", "c1", "s1", "s2", "n1", "b1", "b2", "b3", "a1", "a2", "u1", "u2"]
+
+
+def test_a_unit_files_module_fixture_keeps_its_tests_on_one_worker():
+    """Tests that use a module-scoped fixture of their own file share an xdist group (the
+    fixture is built once); a module fixture of another file, or a function-scoped one,
+    leaves an in-process test free to go to either worker."""
+    from types import SimpleNamespace
+
+    from conftest import _xdist_group
+
+    def item(scope, baseid):
+        defs = {"f": [SimpleNamespace(scope=scope, baseid=baseid)]}
+        return SimpleNamespace(nodeid="tests/unit/test_x.py::test_a", fixturenames=["f"],
+                               _fixtureinfo=SimpleNamespace(name2fixturedefs=defs))
+
+    rel = ("unit", "test_x.py")
+    assert _xdist_group(item("module", "tests/unit/test_x.py"), rel) == "unit/test_x.py"
+    assert _xdist_group(item("module", "tests/unit/test_y.py"), rel) is None
+    assert _xdist_group(item("function", "tests/unit/test_x.py"), rel) is None
+    assert _xdist_group(item("module", "tests/multirank/test_x.py"), ("multirank", "test_x.py")) == "multirank/test_x.py"
