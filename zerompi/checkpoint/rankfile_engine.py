@@ -23,7 +23,7 @@ import torch
 
 from . import hdf5, naming
 from .rankfile_h5 import (ALIGN as _ALIGN, CHUNK as _CHUNK, H5_ALIGNMENT, IN_FLIGHT as _IN_FLIGHT, Writer,
-                       aligned as _aligned, alloc_raw, module_entry, open_direct, write_structure)
+                       aligned as _aligned, alloc_raw, check_room, module_entry, open_direct, write_structure)
 
 
 def model_tensors(view) -> list[tuple[str, tuple]]:
@@ -198,6 +198,7 @@ def write_rank_file(path: str, view, tag: str, lowp: str | None) -> dict:
     state = view.export_state(views=True)
     header = header_of(view, tag, state)
     off, module, plan = header["elements"], storable_module(view), []
+    check_room(path, rank_file_bytes(view, lowp))
     with h5py.File(path, "w", libver=hdf5.LIBVER, locking=False, **H5_ALIGNMENT) as f:
         write_structure(f, header, module)
         g = f.create_group(naming.STATE_GROUP)

@@ -170,6 +170,20 @@ def write_structure(f, header: dict, module: list[tuple[str, np.ndarray, str, st
             d.attrs.update({"name": name, "torch_dtype": torch_dtype, "role": role})
 
 
+def check_room(path: str, need: int) -> None:
+    """Refuse a rank file its filesystem cannot hold before HDF5 opens it: HDF5 failing to
+    write while it closes a file leaves an object h5py cannot release, and the process can
+    crash later (h5py issues 914, 2160) instead of reporting the full disk. Only a guard:
+    other writers can still fill the disk meanwhile, and then our own pwrite reports it."""
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise OSError(errno.ENOSPC, f"No space left on device: {free} bytes free, the file needs about {need}", path)
+
+
 def _diverged(kind: str, pieces: list, first: int) -> FloatingPointError:
     offsets = [p[4] for p in pieces]
     name = pieces[max(0, bisect.bisect_right(offsets, first) - 1)][0]
@@ -188,6 +202,7 @@ def write_staged(path: str, job: dict, buf: np.ndarray) -> tuple[str, int]:
     module = [(n, np.frombuffer(buf, np.dtype(dt), int(np.prod(shape)), off).reshape(shape), td, role)
               for n, td, role, shape, dt, off in job["module"]]
     plan = []
+    check_room(path, buf.nbytes)
     with h5py.File(path, "w", libver=hdf5.LIBVER, locking=False, **H5_ALIGNMENT) as f:
         write_structure(f, job["header"], module)
         g = f.create_group(naming.STATE_GROUP)
