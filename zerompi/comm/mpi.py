@@ -29,11 +29,18 @@ from .base import CommStats, DoneHandle, Handle, Scalars
 _OPS = ("sum", "max", "min", "lor")
 
 
-def mpi_module():
-    """mpi4py.MPI; the first import starts MPI under the start-up deadline (runtime/startup.py)."""
-    from ..runtime import mpi
+_MPI = None
 
-    return mpi()
+
+def mpi_module():
+    """mpi4py.MPI; the first import starts MPI under the start-up deadline (runtime/startup.py).
+    Kept once found: every buffer of every collective asks for it."""
+    global _MPI
+    if _MPI is None:
+        from ..runtime import mpi
+
+        _MPI = mpi()
+    return _MPI
 
 
 _MPI_TYPES = None
