@@ -119,7 +119,7 @@ zerompi_requeue_or_exit() {
     if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
         if [ "$rc" -eq "$ZEROMPI_LOST_EXIT" ]; then
             zerompi_await_node_verdict "ranks stopped answering (exit $ZEROMPI_LOST_EXIT, the watchdog line above names them)"
-        elif [ "$rc" -ne 0 ] && [ "$rc" -ne "$ZEROMPI_REQUEUE_EXIT" ] && [ "$_zerompi_usr1" = 0 ]; then
+        elif [ "$rc" -ne 0 ] && [ "$rc" -ne "$ZEROMPI_REQUEUE_EXIT" ] && [ "${_zerompi_usr1:-0}" = 0 ]; then
             zerompi_silent_nodes "$rc"
         fi
     fi
