@@ -9,6 +9,7 @@ The collection hook turns that, and what a test uses, into the markers of pytest
   system  system/, or the simulated nodes of `net_nodes`;  gpu: the `cuda` fixture
 `bash tests/run.sh --quick` runs what has none of mpi, slurm, system.
 """
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -72,6 +73,14 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # The jobs of one xdist worker get its share of the cores: MPICH's waiting ranks
+        # then yield them (zerompi/runtime/jobs.py, local_env) instead of polling beside
+        # the other workers' jobs.
+        from zerompi.runtime import jobs
+
+        share = len(os.sched_getaffinity(0)) // max(1, config.workerinput["workercount"])
+        os.environ[jobs.CORES_VAR] = str(max(1, share))
     if config.getoption("--cpu-profile"):
         import cpu_profile
 
@@ -214,6 +223,15 @@ def net_slurm(net_nodes):
         pytest.skip(why)
     with NetSlurm(net_nodes) as cluster:
         yield cluster
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadgroup, with the groups that mostly wait on a worker of their own (support/waiters.py)."""
+    if config.getoption("dist") == "loadgroup":
+        from waiters import WaitersApart
+
+        return WaitersApart(config, log)
+    return None
 
 
 def pytest_collection_finish(session):

@@ -1,0 +1,32 @@
+"""The pytest-xdist scheduler of `bash tests/run.sh` (conftest.py, pytest_xdist_make_scheduler).
+
+Most of the suite is bound by CPU; the groups named in WAITING are not: their jobs sleep
+through Slurm's time-limit checks and a lost node's detection, ~40% of their worker's
+time. With as many workers as cores, a worker that waits leaves a core idle. So one
+worker more than the CPU-bound ones takes the waiting groups (and nothing else while the
+others have work), and the CPU-bound workers never start one: each group keeps one
+worker, as loadgroup does, and the queue's order (conftest.py, HEAD) stands within each
+kind.
+"""
+from __future__ import annotations
+
+from xdist.scheduler import LoadGroupScheduling
+
+WAITING = ("slurm", "netns")
+
+
+class WaitersApart(LoadGroupScheduling):
+    """loadgroup, with the WAITING groups on the last worker."""
+
+    def _waiter(self, node) -> bool:
+        """The worker with the highest number (gwN), of two or more."""
+        ids = sorted((n.workerinput["workerid"] for n in self.nodes), key=lambda w: int(w[2:]))
+        return len(ids) > 1 and node.workerinput["workerid"] == ids[-1]
+
+    def _assign_work_unit(self, node) -> None:
+        waiting = [s for s in self.workqueue if s in WAITING]
+        mine = waiting if self._waiter(node) else [s for s in self.workqueue if s not in WAITING]
+        # A worker whose kind has run out takes the other kind rather than stand idle.
+        scope = (mine or list(self.workqueue))[0]
+        self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
