@@ -9,7 +9,6 @@ The collection hook turns that, and what a test uses, into the markers of pytest
   system  system/, or the simulated nodes of `net_nodes`;  gpu: the `cuda` fixture
 `bash tests/run.sh --quick` runs what has none of mpi, slurm, system.
 """
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -73,14 +72,6 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    if hasattr(config, "workerinput"):
-        # The jobs of one xdist worker get its share of the cores: MPICH's waiting ranks
-        # then yield them (zerompi/runtime/jobs.py, local_env) instead of polling beside
-        # the other workers' jobs.
-        from zerompi.runtime import jobs
-
-        share = len(os.sched_getaffinity(0)) // max(1, config.workerinput["workercount"])
-        os.environ[jobs.CORES_VAR] = str(max(1, share))
     if config.getoption("--cpu-profile"):
         import cpu_profile
 

@@ -25,8 +25,12 @@ class WaitersApart(LoadGroupScheduling):
 
     def _assign_work_unit(self, node) -> None:
         waiting = [s for s in self.workqueue if s in WAITING]
-        mine = waiting if self._waiter(node) else [s for s in self.workqueue if s not in WAITING]
-        # A worker whose kind has run out takes the other kind rather than stand idle.
-        scope = (mine or list(self.workqueue))[0]
+        if self._waiter(node):
+            if not waiting:  # its groups are done: it ends rather than add a third CPU-bound worker
+                node.shutdown()
+                return
+            scope = waiting[0]
+        else:  # a CPU-bound worker whose kind has run out takes a waiting group rather than idle
+            scope = next((s for s in self.workqueue if s not in WAITING), waiting[0] if waiting else None)
         self.workqueue.move_to_end(scope, last=False)
         super()._assign_work_unit(node)

@@ -41,9 +41,6 @@ LOCAL_ENV = {"UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_I
 # working rank needs. These make them give the core up (nanosleep when yielding MPICH's
 # lock, usleep after polls that made no progress).
 YIELD_WHEN_OVERSUBSCRIBED = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
-# The cores this process's jobs may use, where it shares the machine with other launchers
-# (a pytest-xdist worker beside others: tests/conftest.py sets its share); unset: its affinity.
-CORES_VAR = "ZEROMPI_LOCAL_CORES"
 
 
 @dataclass
@@ -93,12 +90,6 @@ def allocator_var(name: str) -> bool:
     return name == "GLIBC_TUNABLES" or (name.startswith("MALLOC_") and name.endswith("_"))
 
 
-def local_cores() -> int:
-    """The cores a job of this process may use: $ZEROMPI_LOCAL_CORES, else its affinity."""
-    share = os.environ.get(CORES_VAR, "")
-    return int(share) if share.isdigit() and int(share) > 0 else len(os.sched_getaffinity(0))
-
-
 def local_env(root: str | Path | None = None, extra: dict | None = None, cmd: list[str] | None = None,
               drop_allocator: bool = False) -> dict:
     """The caller's environment for a job on this machine: LOCAL_ENV; PYTHONPATH starting
@@ -109,7 +100,7 @@ def local_env(root: str | Path | None = None, extra: dict | None = None, cmd: li
     env.update(LOCAL_ENV)
     if root is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    if ranks_of(cmd) > local_cores():
+    if ranks_of(cmd) > len(os.sched_getaffinity(0)):
         env.update(YIELD_WHEN_OVERSUBSCRIBED)
     for k, v in (extra or {}).items():
         if v is None:
