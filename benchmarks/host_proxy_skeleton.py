@@ -17,10 +17,10 @@ import dataclasses
 from functools import lru_cache
 
 import numpy as np
-import torch
 
 from harness import ROOT  # noqa: F401  (puts this checkout's zerompi first on sys.path)
 from zerompi.config import ZeroConfig
+from zerompi.estimate.models import on_meta
 from zerompi.models.gpt import GPT, PRESETS, GPTConfig, count_params
 from zerompi.zero import layout as zlayout
 from zerompi.zero.partition import FlatLayout
@@ -127,7 +127,7 @@ def find(preset: str, stages: tuple = (0, 1, 2, 3), worlds: tuple = (1, 2, 4),
     real = PRESETS[preset]
     base = base or ZeroConfig(precision="bf16")
     cfg_of = lambda s: dataclasses.replace(base, stage=s)  # noqa: E731
-    with torch.device("meta"):
+    with on_meta():
         plans = _plans(GPT(real), cfg_of, stages, worlds)
     # one check per distinct (order, units, world, target): stages 0-2 mostly share one
     checks: dict = {}

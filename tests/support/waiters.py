@@ -19,9 +19,13 @@ class WaitersApart(LoadGroupScheduling):
     """loadgroup, with the WAITING groups on the last worker."""
 
     def _waiter(self, node) -> bool:
-        """The worker with the highest number (gwN), of two or more."""
-        ids = sorted((n.workerinput["workerid"] for n in self.nodes), key=lambda w: int(w[2:]))
-        return len(ids) > 1 and node.workerinput["workerid"] == ids[-1]
+        """The worker with the highest number (gwN) of two or more, decided at the first
+        assignment, when all have started: a worker that ends leaves self.nodes, and the
+        next highest must not become the waiter."""
+        if not hasattr(self, "_waiter_id"):
+            ids = sorted((n.workerinput["workerid"] for n in self.nodes), key=lambda w: int(w[2:]))
+            self._waiter_id = ids[-1] if len(ids) > 1 else None
+        return node.workerinput["workerid"] == self._waiter_id
 
     def _assign_work_unit(self, node) -> None:
         waiting = [s for s in self.workqueue if s in WAITING]

@@ -269,3 +269,17 @@ def test_auto_bucket_floor_on_a_gpu():
     big = bucket_policy("auto", 256, elem_bytes=2)
     assert big == bucket_policy("auto", 256, elem_bytes=2, device="cuda") and big[1] and big[0] > 1 << 26
     assert bucket_policy(1000, 4, elem_bytes=2, device="cuda") == (1000, False)  # an integer is kept
+
+
+def test_meta_models_leave_torch_dynamo_unimported():
+    """Building the estimator's models on `meta` sets no values: without on_meta, the
+    init's normal_ there imports torch._dynamo (1.5 CPU-s of every estimate command)."""
+    code = ("import sys, torch\n"
+            "from zerompi.estimate import models\n"
+            "normal_ = torch.nn.init.normal_\n"
+            "m = models.meta_model(models.from_preset('gpt2'))\n"
+            "assert next(m.parameters()).is_meta and torch.nn.init.normal_ is normal_\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr

@@ -8,6 +8,7 @@ module structure: stage 3 then has one unit, and activations are unknown).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -87,12 +88,30 @@ def reshape(spec: ModelSpec, **changes) -> ModelSpec:
     return ModelSpec(spec.name, count_params(cfg), cfg, spec.seq_len)
 
 
+@contextlib.contextmanager
+def on_meta():
+    """torch.device("meta") for building a model, with torch.nn.init.normal_ a no-op on
+    meta tensors: there is no value to set, and torch runs normal_ on meta through its
+    Python decomposition, whose first call imports torch._dynamo (1.5 CPU-s a process)."""
+    normal_ = torch.nn.init.normal_
+
+    def skip_on_meta(tensor, *args, **kwargs):
+        return tensor if tensor.is_meta else normal_(tensor, *args, **kwargs)
+
+    torch.nn.init.normal_ = skip_on_meta
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.nn.init.normal_ = normal_
+
+
 def meta_model(spec: ModelSpec, tp: int = 1) -> torch.nn.Module:
     """The real GPT module with every parameter on the `meta` device (no storage), split
     for one tp rank as parallel/parallelize.py splits it when tp > 1 (a tp size the model
     cannot take is the ConfigError the train command gives); for a bare count, a
     one-parameter stand-in of Psi / tp elements (no layers to split)."""
-    with torch.device("meta"):
+    with on_meta():
         if spec.gpt is not None:
             model = GPT(spec.gpt)
             if tp > 1:
