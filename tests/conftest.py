@@ -216,15 +216,6 @@ def net_slurm(net_nodes):
         yield cluster
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """loadgroup, with the groups that mostly wait on a worker of their own (support/waiters.py)."""
-    if config.getoption("dist") == "loadgroup":
-        from waiters import WaitersApart
-
-        return WaitersApart(config, log)
-    return None
-
-
 def pytest_collection_finish(session):
     """Everything collection imported (torch, transformers, the test modules) lives until
     the end: frozen, so the automatic collections of the in-process tests stop walking it
