@@ -199,13 +199,8 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     `intra_link` the one inside: each run gets "nodes", what its own mode moves inside
     and across nodes per step and the time (hierarchy.py), and "nodes" lists it with every
     mode of `modes` (default hierarchy.MODES; {} for none)."""
-    spec, zcfg_cfg, global_batch = resolve_model(model, seq_len)
-    zcfg = with_mode(zero or zcfg_cfg or ZeroConfig(precision="bf16"), shard_group, hierarchical,
-                     secondary_partition)
-    precision = precision or zcfg.precision
-    gdt = grad_accum_dtype or zcfg.grad_accum_dtype
-    gas = gas or zcfg.gradient_accumulation_steps
-    tp = _resolve_tp(tp, zcfg, spec)
+    spec, zcfg_cfg, global_batch, zcfg, precision, gdt, gas, tp = _resolve(
+        model, seq_len, zero, (shard_group, hierarchical, secondary_partition), precision, grad_accum_dtype, gas, tp)
     stages = list(stages) if stages else ([zcfg.stage] if zcfg_cfg or zero else list(STAGES))
     _check(dps, stages, tp, gas)
     memory.element_bytes(precision, gdt)
@@ -234,6 +229,18 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     return out
 
 
+def _resolve(model, seq_len, zero, mode, precision, grad_accum_dtype, gas, tp):
+    """size() and dry_run()'s common start: (spec, the model's own ZeroConfig or None, its
+    global batch, the ZeroConfig in use with `mode` = (shard_group, hierarchical,
+    secondary_partition) applied, then precision, grad_accum_dtype, gas and tp, each the
+    argument or else the config's)."""
+    spec, zcfg_cfg, global_batch = resolve_model(model, seq_len)
+    zcfg = with_mode(zero or zcfg_cfg or ZeroConfig(precision="bf16"), *mode)
+    return (spec, zcfg_cfg, global_batch, zcfg, precision or zcfg.precision,
+            grad_accum_dtype or zcfg.grad_accum_dtype, gas or zcfg.gradient_accumulation_steps,
+            _resolve_tp(tp, zcfg, spec))
+
+
 def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence[int] = STAGES, *,
             precision: str | None = None, grad_accum_dtype: str | None = None, gas: int | None = None,
             bucket: "int | str | None" = None, check_ranks: Sequence[int] | None = None, link=None,
@@ -248,13 +255,8 @@ def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence
     of data-parallel ranks, and the layout is of one tp rank's share of the model."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    spec, zcfg_cfg, _ = resolve_model(model, seq_len)
-    zcfg = with_mode(zero or zcfg_cfg or ZeroConfig(precision="bf16"), shard_group, hierarchical,
-                     secondary_partition)
-    precision = precision or zcfg.precision
-    gdt = grad_accum_dtype or zcfg.grad_accum_dtype
-    gas = gas or zcfg.gradient_accumulation_steps
-    tp = _resolve_tp(tp, zcfg, spec)
+    spec, _, _, zcfg, precision, gdt, gas, tp = _resolve(
+        model, seq_len, zero, (shard_group, hierarchical, secondary_partition), precision, grad_accum_dtype, gas, tp)
     _check(dps, stages, tp, gas)
     memory.element_bytes(precision, gdt)
     for r in check_ranks or ():
