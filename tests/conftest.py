@@ -216,6 +216,24 @@ def net_slurm(net_nodes):
         yield cluster
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """On the controller of `--dist loadgroup`: xdist appends "@group" to the node id of
+    each test with an xdist_group mark (every multirank/ and system/ test has one), and
+    keeps a group on one worker by that suffix. Where none came back (pytest 9.2 with
+    xdist 3.8: setup.py pins pytest below it), every group would be split across the
+    workers, the batched launches run on each and each starts its own Slurm cluster: stop."""
+    if node.config.getvalue("dist") != "loadgroup" or any("@" in i for i in ids):
+        return
+    tiered = [i for i in ids if i.startswith(("tests/multirank/", "tests/system/"))]
+    if tiered:
+        from importlib.metadata import version
+
+        raise pytest.UsageError(
+            f"pytest {version('pytest')} with pytest-xdist {version('pytest-xdist')} does not apply "
+            f"xdist_group (no '@group' on {tiered[0]}): install the test extra's pytest "
+            "(pip install -e '.[test]'; bash tests/run.sh does)")
+
+
 def pytest_collection_finish(session):
     """Everything collection imported (torch, transformers, the test modules) lives until
     the end: frozen, so the automatic collections of the in-process tests stop walking it
