@@ -221,7 +221,8 @@ def pytest_xdist_node_collection_finished(node, ids):
     each test with an xdist_group mark (every multirank/ and system/ test has one), and
     keeps a group on one worker by that suffix. Where none came back (pytest 9.2 with
     xdist 3.8: setup.py pins pytest below it), every group would be split across the
-    workers, the batched launches run on each and each starts its own Slurm cluster: stop."""
+    workers: the batched launches would run on each, the session fixtures (a Slurm cluster)
+    be built on each: stop."""
     if node.config.getvalue("dist") != "loadgroup" or any("@" in i for i in ids):
         return
     tiered = [i for i in ids if i.startswith(("tests/multirank/", "tests/system/"))]
