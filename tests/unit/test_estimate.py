@@ -273,7 +273,7 @@ def test_auto_bucket_floor_on_a_gpu():
 
 def test_meta_models_leave_torch_dynamo_unimported():
     """Building the estimator's models on `meta` sets no values: without on_meta, the
-    init's normal_ there imports torch._dynamo (1.5 CPU-s of every estimate command)."""
+    init's normal_ there imports torch._dynamo, seconds of CPU in every estimate command."""
     code = ("import sys, torch\n"
             "from zerompi.estimate import models\n"
             "normal_ = torch.nn.init.normal_\n"

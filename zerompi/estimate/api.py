@@ -16,7 +16,7 @@ import dataclasses
 import math
 import resource
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..trainer import config as train_config
 from ..config import ZeroConfig
@@ -229,16 +229,27 @@ def size(model, dps: Sequence[int] = memory.TABLE1_DP, stages: Sequence[int] | N
     return out
 
 
-def _resolve(model, seq_len, zero, mode, precision, grad_accum_dtype, gas, tp):
-    """size() and dry_run()'s common start: (spec, the model's own ZeroConfig or None, its
-    global batch, the ZeroConfig in use with `mode` = (shard_group, hierarchical,
-    secondary_partition) applied, then precision, grad_accum_dtype, gas and tp, each the
-    argument or else the config's)."""
+class _Resolved(NamedTuple):
+    """What size() and dry_run() start from: the model, its own ZeroConfig (None for a
+    preset or a count) and global batch, the ZeroConfig in use, and each setting as given
+    or else the config's."""
+    spec: models.ModelSpec
+    model_zero: ZeroConfig | None
+    global_batch: int | None
+    zero: ZeroConfig
+    precision: str
+    grad_accum_dtype: str
+    gas: int
+    tp: int
+
+
+def _resolve(model, seq_len, zero, mode, precision, grad_accum_dtype, gas, tp) -> _Resolved:
+    """`mode` = (shard_group, hierarchical, secondary_partition), applied to the config."""
     spec, zcfg_cfg, global_batch = resolve_model(model, seq_len)
     zcfg = with_mode(zero or zcfg_cfg or ZeroConfig(precision="bf16"), *mode)
-    return (spec, zcfg_cfg, global_batch, zcfg, precision or zcfg.precision,
-            grad_accum_dtype or zcfg.grad_accum_dtype, gas or zcfg.gradient_accumulation_steps,
-            _resolve_tp(tp, zcfg, spec))
+    return _Resolved(spec, zcfg_cfg, global_batch, zcfg, precision or zcfg.precision,
+                     grad_accum_dtype or zcfg.grad_accum_dtype, gas or zcfg.gradient_accumulation_steps,
+                     _resolve_tp(tp, zcfg, spec))
 
 
 def dry_run(model, dps: Sequence[int] = (1, 3, 64, 1024, 4096), stages: Sequence[int] = STAGES, *,

@@ -92,7 +92,8 @@ def reshape(spec: ModelSpec, **changes) -> ModelSpec:
 def on_meta():
     """torch.device("meta") for building a model, with torch.nn.init.normal_ a no-op on
     meta tensors: there is no value to set, and torch runs normal_ on meta through its
-    Python decomposition, whose first call imports torch._dynamo (1.5 CPU-s a process)."""
+    Python decomposition, whose first call imports torch._dynamo (seconds of CPU; the
+    measurement: docs/performance.md, "The test suite")."""
     normal_ = torch.nn.init.normal_
 
     def skip_on_meta(tensor, *args, **kwargs):
