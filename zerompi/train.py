@@ -52,6 +52,7 @@ import sys
 from . import runtime
 from .config import ConfigError, to_dict
 from .trainer import config as train_config
+from .trainer.preflight import preflight
 from .parallel.nodes import discover as discover_nodes
 from .runtime import pygc, startup, watchdog
 from .runtime.agree import ObjectComm
@@ -188,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     if not _agreed(setup, _layout_error(cfg, nodes, world.size), "layout", None):
         return EXIT_USAGE
 
+    # The run directory's lock, the resume's architecture and the data, still without torch.
+    pre = preflight(cfg, nodes, setup)
+    if pre is None:
+        return EXIT_USAGE
+
     if _COMMAND:
         pygc.pause_collector()  # import torch runs ~370 collections otherwise
     from .trainer import loop  # torch, the model, the engine
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return EXIT_USAGE
     try:
-        return loop.run(cfg, nodes)
+        return loop.run(cfg, nodes, pre)
     except ConfigError as e:  # a check the agreed ones above do not make: named as typed, then
         raise zero_key(e) from None  # one line from rank 0 and exit 2 (runtime/abort.py)
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, run_mpi, torch_unimportable
 from tiny_corpus import documents, train_tokenizer, write_jsonl, write_parquet
 
 T, B = 64, 8
@@ -68,7 +68,8 @@ def test_headerless_uint32_file_is_refused_in_one_line(tmp_path):
     (tmp_path / "t.bin").write_bytes((np.arange(40_000) % 250 + 1).astype(np.uint32).tobytes())
     res = run_mpi(2, ["-m", "zerompi.train", "--model.preset", "tiny", "--global_batch", "4", "--max_steps", "2",
                       "--eval_interval", "0", "--threads", "1", "--data", str(tmp_path / "t.bin"),
-                      "--run_dir", str(tmp_path / "run")], module=False, check=False, timeout=60)
+                      "--run_dir", str(tmp_path / "run")], module=False, check=False, timeout=60,
+                  env=torch_unimportable(tmp_path / "no-torch"))  # refused before any rank imports torch
     assert res.returncode == 2 and res.stdout.count("a headerless token file") == 1, res.stdout
     assert "Traceback" not in res.stdout and "data_dtype = uint8 | uint16 | uint32" in res.stdout, res.stdout
     assert not (tmp_path / "run").exists()

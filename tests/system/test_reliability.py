@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import WORKERS, launch, run_mpi, running_job
+from mpirun import WORKERS, launch, run_mpi, running_job, torch_unimportable
 from reliability_jobs import FAST, HANG, TRAIN, one_error, train
 
 
@@ -90,11 +90,13 @@ def test_divergence_stops_and_the_newest_good_checkpoint_survives(base_run, corp
 
 
 def test_resume_mismatches(base_run, corpus, tmp_path):
-    """Another architecture with the same shapes is an error naming the key; changed
-    optimizer hyper-parameters are an error unless --override_optimizer (then logged);
-    a new max_steps is logged as a schedule change."""
+    """Another architecture with the same shapes is an error naming the key, before any
+    rank imports torch (trainer/preflight.py); changed optimizer hyper-parameters are an
+    error unless --override_optimizer (then logged); a new max_steps is logged as a
+    schedule change."""
     run_dir = copy_run(base_run, tmp_path)
-    one_error(train(run_dir, corpus, "--model.n_head", "4", "--max_steps", "5"), 2,
+    one_error(train(run_dir, corpus, "--model.n_head", "4", "--max_steps", "5",
+                    env=torch_unimportable(tmp_path / "no-torch")), 2,
               "another model architecture: model n_head: checkpoint 2, config 4")
     one_error(train(run_dir, corpus, "--zero.optimizer.weight_decay", "0.2", "--max_steps", "5"), 2,
               "param group 0 weight_decay: checkpoint 0.01, config 0.2")
@@ -136,8 +138,8 @@ def test_damaged_latest_falls_back_and_resume_from(base_run, corpus, tmp_path):
 
 
 def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path):
-    """Job A runs; job B on the same run_dir fails at once (exit 5) naming A's host and
-    pid; A is not disturbed. A lock left by a dead process is taken over, saying so. The
+    """Job A runs; job B on the same run_dir fails at once (exit 5, before its ranks
+    import torch) naming A's host and pid; A is not disturbed. A lock left by a dead process is taken over, saying so. The
     other holders (a requeued Slurm job, another host's live or silent job), decided by the
     same RunLock: tests/unit/test_rundir.py."""
     import json
@@ -148,7 +150,7 @@ def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path)
                                                    "--max_steps", "100000", "--checkpoint_interval", "0"]
     with running_job(cmd, (run_dir / "metrics.jsonl").exists) as a:
         holder = json.loads((run_dir / ".lock").read_text())
-        b = train(run_dir, corpus, timeout=30)
+        b = train(run_dir, corpus, timeout=30, env=torch_unimportable(tmp_path / "no-torch"))
         one_error(b, 5, f"is in use by another job (host {socket.gethostname()}, pid {holder['pid']}")
         assert b.elapsed < 15, b.elapsed
         assert a.poll() is None  # A runs on
@@ -179,10 +181,10 @@ def _only_rank1(tmp_path, script):
     return ["unshare", "-m", "--propagation", "private", str(wrapper)]
 
 
-def mpmd(run_dir, corpus, rank1_prefix, *extra, timeout=60):
+def mpmd(run_dir, corpus, rank1_prefix, *extra, timeout=60, env=None):
     argv = TRAIN + FAST + ["--data", corpus, "--run_dir", str(run_dir)] + list(extra)
     return launch(["mpiexec", "-n", "1"] + argv + [":", "-n", "1"] + rank1_prefix + argv, timeout,
-                  stderr_apart=True)
+                  env=env, stderr_apart=True)
 
 
 def test_checkpoint_rank_0_sees_but_rank_1_does_not(base_run, corpus, tmp_path):
@@ -197,13 +199,14 @@ def test_checkpoint_rank_0_sees_but_rank_1_does_not(base_run, corpus, tmp_path):
 
 def test_ranks_reading_different_data_are_stopped(corpus, tmp_path):
     """Same --data path, other content on rank 1 (a stale per-node copy): the
-    fingerprints differ, the job stops before training, naming rank 1 and the value."""
+    fingerprints differ, the job stops before any rank imports torch, naming rank 1 and
+    the value."""
     other = tmp_path / "other.bin"
     data = bytearray(open(corpus, "rb").read())
     data[200] ^= 1  # token 100 differs: inside the fingerprint's first window at any corpus size
     other.write_bytes(bytes(data))
     prefix = _only_rank1(tmp_path, f"mount --bind {other} {corpus}")
-    res = mpmd(tmp_path / "run", corpus, prefix)
+    res = mpmd(tmp_path / "run", corpus, prefix, env=torch_unimportable(tmp_path / "no-torch"))
     one_error(res, 2, "rank 1 has a different data set than rank 0: train.sha256 = ")
 
 

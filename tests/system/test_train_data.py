@@ -1,10 +1,11 @@
-"""A bad --data ends `zerompi.train` with one message from rank 0 and exit 2, at start or
-when a later batch holds an id beyond the vocabulary (checks: tests/unit/test_data_check.py)."""
+"""A bad --data ends `zerompi.train` with one message from rank 0 and exit 2, at start
+(before any rank imports torch: trainer/preflight.py) or when a later batch holds an id
+beyond the vocabulary (checks: tests/unit/test_data_check.py)."""
 import numpy as np
 import pytest
 
 from bad_tokens import bad_outside_sample
-from mpirun import run_mpi
+from mpirun import run_mpi, torch_unimportable
 from zerompi.data import write_tokens
 from zerompi.data import check as dc
 
@@ -25,7 +26,7 @@ def test_train_rejects_a_text_file_with_one_message(tmp_path, n):
     p = tmp_path / "notes.txt"
     p.write_text("hello world\n" * 1000)
     res = run_mpi(n, TRAIN + ["--data", str(p), "--run_dir", str(tmp_path / "run")], module=False,
-                  check=False, timeout=60)
+                  check=False, timeout=60, env=torch_unimportable(tmp_path / "no-torch"))
     _one_message(res, "this is a text file, not tokens")
     assert not (tmp_path / "run").exists()  # nothing started
 
@@ -44,5 +45,5 @@ def test_train_names_out_of_vocab_ids_at_start(tmp_path):
     ids[100] = 4000
     write_tokens(tmp_path / "d.bin", ids)
     res = run_mpi(2, TRAIN + ["--data", str(tmp_path / "d.bin"), "--run_dir", str(tmp_path / "run")],
-                  module=False, check=False, timeout=60)
-    _one_message(res, "token id 4000 at position 100")
+                  module=False, check=False, timeout=60, env=torch_unimportable(tmp_path / "no-torch"))
+    _one_message(res, "token id 4000 at position 100")  # before any rank imports torch

@@ -10,7 +10,7 @@ from zerompi.models.gpt_config import GPTConfig
 from zerompi.models.gpt_config import PRESETS as GPT_PRESETS
 from zerompi.models.llama_config import PRESETS as LLAMA_PRESETS
 from zerompi.models.llama_config import LlamaConfig, to_hf
-from zerompi.trainer.checkpoints import compare
+from zerompi.trainer.preflight import compare
 from zerompi.trainer.config import ModelConfig, TrainConfig
 
 
@@ -85,7 +85,7 @@ def test_resume_names_another_family_before_loading(monkeypatch):
     from zerompi.checkpoint import resume as resume_mod
     from zerompi.checkpoint import verify
     from zerompi.checkpoint.resume import ResumeError
-    from zerompi.trainer.checkpoints import check_architecture_first
+    from zerompi.trainer.preflight import check_architecture_first
 
     class World:
         rank = 0

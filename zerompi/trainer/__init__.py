@@ -2,7 +2,8 @@
 parses, checks and agrees the config before torch is imported):
 
     config.py       TrainConfig: the typed, frozen settings (`--help` lists them)
-    loop.py         the process grid, data, model, engine, resume, and the training loop
+    preflight.py    before torch: the run directory's lock, the resume's architecture, the data
+    loop.py         the process grid, model, engine, resume, and the training loop
     schedule.py     the learning-rate schedules (the trainer's cosine, DeepSpeed's)
     progress.py     rank 0's console and metrics.jsonl
     checkpoints.py  when the run saves, what each save records, what a resume compares

@@ -21,6 +21,7 @@ from ..checkpoint.background.saver import saver_of
 from ..checkpoint.resume import ResumeError
 from ..models.arch import ARCHITECTURE, record
 from ..runtime.console import say
+from .preflight import another_architecture, compare
 
 
 class TrainCheckpoints:
@@ -76,22 +77,6 @@ class TrainCheckpoints:
         return out
 
 
-def compare(saved: dict, now: dict, keys) -> list[tuple[str, object, object]]:
-    """(key, saved value, current value) for each of `keys` (dotted) that differs;
-    keys absent from the saved dict (older checkpoints) are skipped."""
-    out = []
-    for key in keys:
-        a, b, ok = saved, now, True
-        for part in key.split("."):
-            if not (isinstance(a, dict) and part in a):
-                ok = False
-                break
-            a, b = a[part], b[part]
-        if ok and a != b:
-            out.append((key, a, b))
-    return out
-
-
 SCHEDULE = ("max_steps", "lr_schedule", "warmup_steps", "warmup_start_lr", "lr_decay_steps", "min_lr",
             "zero.optimizer.lr")
 DATA = ("spec", "val", "order", "seed", "global_batch", "block_size", "fingerprint")
@@ -111,7 +96,7 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
         return
     arch = compare(client.get("model", {}), model, ARCHITECTURE)
     if arch:
-        raise ResumeError(_another_architecture(arch))
+        raise ResumeError(another_architecture(arch))
     for k, a, b in compare(client.get("config", {}), config, SCHEDULE):
         say(f"schedule changed since the checkpoint: {k} {a!r} -> {b!r}; the learning rate "
             f"follows the new schedule from step {client.get('step')}", rank=world.rank)
@@ -122,51 +107,7 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
             + " than the checkpoint: the data order will not match an uninterrupted run", rank=world.rank)
 
 
-def _another_architecture(arch) -> str:
-    arch = [d for d in arch if d[0] == "family"] or arch  # another family: that says it all
-    return ("the checkpoint holds another model architecture: " + "; ".join(
-        f"model {k}: checkpoint {a!r}, config {b!r}" for k, a, b in arch)
-        + " (same parameter shapes do not make the same model); use another --run_dir")
-
-
-def check_architecture_first(world, ckpt_dir, resume_from: str, model: dict) -> None:
-    """Collective, before the engine loads anything: the checkpoint a resume tries first
-    (resume_from, else latest) records this architecture, or ResumeError naming the key
-    on every rank. (The loader would fail on parameter names, without saying why.) A
-    checkpoint whose manifest cannot be read is left to the loader's own checks."""
-    msg = None
-    if world.rank == 0:
-        from ..checkpoint import verify
-        from ..checkpoint.resume import candidates
-
-        try:
-            paths, _ = candidates(str(ckpt_dir), resume_from)
-            saved = (verify.read_manifest(paths[0]).get("client_state") or {}).get("model") if paths else None
-        except Exception:  # noqa: BLE001 - resume() reports what is wrong with the directory
-            saved = None
-        arch = compare(saved, model, ARCHITECTURE) if isinstance(saved, dict) else []
-        msg = _another_architecture(arch) if arch else None
-    msg = world.bcast_object(msg, root=0)
-    if msg:
-        raise ResumeError(msg)
-
-
 def model_state(shape) -> dict:
     """The train CLI's architecture record (saved in checkpoints): the family and its
     shape (a GPTConfig or LlamaConfig), models/arch.py."""
     return record(shape)
-
-
-def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
-    """What the data order depends on besides the step (saved in checkpoints, compared on
-    resume), after checking that every rank reads the same tokens (collective)."""
-    from ..data import fingerprint
-
-    state = {"spec": cfg.data, "val": cfg.data_val, "order": cfg.data_order, "seed": cfg.seed,
-             "global_batch": cfg.global_batch,
-             "block_size": cfg.seq_len, "fingerprint": fingerprint(train_tokens)}
-    differ = runtime.same_everywhere(world, {"train": state["fingerprint"], "val": fingerprint(val_tokens)},
-                                     "data set")
-    if differ:
-        raise ResumeError(differ[0] + f" (--data {cfg.data} must be the same tokens on every rank)")
-    return state

@@ -24,17 +24,15 @@ import zerompi
 from .. import runtime
 from ..checkpoint.resume import resume
 from ..config import to_dict
-from ..data import TokenSampler, default_corpus
+from ..data import TokenSampler
 from ..data.check import CheckedSampler
-from ..data.sources import open_agreed_data
 from ..models import arch
 from ..optim import decay_groups
 from ..parallel.dims import ParallelDims
-from ..runtime import rundir, watchdog
+from ..runtime import watchdog
 from ..runtime.console import say
 from ..runtime.fileio import atomic_write
-from .checkpoints import (TrainCheckpoints, agreed_data_state, check_architecture_first, check_train_changes,
-                          model_state)
+from .checkpoints import TrainCheckpoints, check_train_changes, model_state
 from .compiling import compile_blocks
 from .progress import Progress, batch_note, finish_message
 from .schedule import lr_at, position
@@ -127,9 +125,10 @@ def evaluate(engine, val_data, cfg, dims, device) -> float:
     return loss_total / rows_total
 
 
-def run(cfg, nodes) -> int:
+def run(cfg, nodes, pre) -> int:
     """Train as `cfg` (a TrainConfig every rank agreed on, device resolved) says, on the
-    ranks `nodes` (parallel/nodes.py) describes."""
+    ranks `nodes` (parallel/nodes.py) describes, with what train.py's preflight settled
+    (`pre`: the run directory's lock, the checked data; trainer/preflight.py)."""
     # ---------------------------------------------------------------- process grid
     local_rank, local_ranks = nodes.local_rank, nodes.per_node
     device = torch.device("cpu")
@@ -140,23 +139,11 @@ def run(cfg, nodes) -> int:
     dims = ParallelDims.from_config(cfg.zero, device=device if device.type == "cuda" else None, nodes=nodes)
     threads = cfg.threads or _threads_per_rank(local_ranks)
     torch.set_num_threads(threads)
-    if dims.rank == 0:
-        print(f"zerompi.train: {nodes.describe()}: {nodes.listing()}", flush=True)
 
-    # ---------------------------------------------------------------- data
-    if cfg.data == "default":
-        if dims.rank == 0:
-            default_corpus()  # build the cache once, not on every rank at the same time
-        dims.world.barrier()  # sync: nobody opens the cache before it is complete
+    # ---------------------------------------------------------------- data (checked in preflight)
     T, B, V = cfg.seq_len, cfg.global_batch, cfg.model.shape().vocab_size
-    spec = str(default_corpus()) if cfg.data == "default" else cfg.data
-    # Format, size and a sample of ids checked before any step; the rest as batches are read.
-    data = open_agreed_data(cfg, V, T, spec, dims.world)
-    if data is None:
-        return EXIT_USAGE
+    data, spec, data_state, lock = pre.data, pre.spec, pre.data_state, pre.lock
     train_tokens, val_tokens = data.train.tokens, data.val.tokens
-    # sync: fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
-    data_state = agreed_data_state(dims.world, cfg, train_tokens, val_tokens)
     train_data = CheckedSampler(train_tokens, T, seed=cfg.seed, vocab_size=V, spec=spec, order=cfg.data_order,
                                 doc_starts=data.train.doc_starts if cfg.doc_mask else None)
     val_data = CheckedSampler(val_tokens, T, seed=cfg.seed, vocab_size=V, spec=cfg.data_val or spec,
@@ -190,9 +177,6 @@ def run(cfg, nodes) -> int:
     # ---------------------------------------------------------------- resume
     run_dir = Path(cfg.run_dir)
     ckpt_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
-    lock = rundir.claim(run_dir, dims.world, local_rank)  # one job per run_dir, freed at exit; raises if busy
-    if cfg.resume:  # sync: another family or shape is said as such, before any load
-        check_architecture_first(dims.world, ckpt_dir, cfg.resume_from, model_state(shape))
     # sync: collective; rank 0 picks (latest, else the newest that verifies), None = fresh start.
     client = resume(engine, dims.world, ckpt_dir, cfg.resume_from, cfg.override_optimizer) if cfg.resume else None
     check_train_changes(dims.world, client, to_dict(cfg), model_state(shape), data_state,  # sync
