@@ -8,6 +8,7 @@ import torch (tests/system/test_reliability.py runs these failures with it unimp
 Collective over `world`: a zerompi Communicator or a bare one (runtime.agree.ObjectComm)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,22 +67,26 @@ def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
 
 
 def check_architecture_first(world, ckpt_dir, resume_from: str, model: dict) -> None:
-    """Collective, before the engine loads anything: the checkpoint a resume tries first
-    (resume_from, else latest) records this architecture, or ResumeError naming the key
-    on every rank. (The loader would fail on parameter names, without saying why.) A
+    """Collective, before the engine loads anything: a resume_from that names no
+    checkpoint is the ResumeError resume() would raise, and the checkpoint a resume tries
+    first (resume_from, else latest) records this architecture, or ResumeError naming the
+    key, on every rank. (The loader would fail on parameter names, without saying why.) A
     checkpoint whose manifest cannot be read is left to the loader's own checks."""
     msg = None
     if world.rank == 0:
-        from ..checkpoint import verify
+        from ..checkpoint import CheckpointError, verify
         from ..checkpoint.resume import candidates
 
         try:
-            paths, _ = candidates(str(ckpt_dir), resume_from)
+            paths, _ = candidates(os.path.abspath(ckpt_dir), resume_from)
+        except (ResumeError, CheckpointError, OSError) as e:  # resume()'s own words, said sooner
+            paths, msg = [], str(e)
+        try:
             saved = (verify.read_manifest(paths[0]).get("client_state") or {}).get("model") if paths else None
         except Exception:  # noqa: BLE001 - resume() reports what is wrong with the directory
             saved = None
         arch = compare(saved, model, ARCHITECTURE) if isinstance(saved, dict) else []
-        msg = another_architecture(arch) if arch else None
+        msg = another_architecture(arch) if arch else msg
     msg = world.bcast_object(msg, root=0)
     if msg:
         raise ResumeError(msg)
