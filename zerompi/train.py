@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _agreed(setup, _layout_error(cfg, nodes, world.size), "layout", None):
         return EXIT_USAGE
 
-    # The run directory's lock, the resume's architecture and the data, still without torch.
+    # The data and the resume's architecture, still without torch (trainer/preflight.py).
     pre = preflight(cfg, nodes, setup)
     if pre is None:
         return EXIT_USAGE
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _agreed_device(cfg, setup)
     if cfg is None:
         return EXIT_USAGE
+    pre.claim(cfg, nodes, setup)  # run_dir, once nothing in the config is wrong; raises if busy
     try:
         return loop.run(cfg, nodes, pre)
     except ConfigError as e:  # a check the agreed ones above do not make: named as typed, then

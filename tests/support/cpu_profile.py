@@ -9,14 +9,17 @@ the end prints the files and tests that cost the most. Not counted: jobs that Sl
 daemons start, and ranks their launcher does not wait for (an aborted or killed job):
 the failure, watchdog and kill tests cost more than they show. So the machine's own count
 (/proc/stat) is kept beside it: the busy and idle core-seconds of the whole run, and of
-each test's interval (shared with the test the other worker ran meanwhile). On "vm"
-(2026-11-27) the machine was busy 1044 core-s where the tests' own count said 799, and
-idle 134, most of it inside the node-loss and Slurm time-limit tests.
+each test's interval (shared with the test the other worker ran meanwhile), and so is the
+VM's speed (`import torch`'s CPU time, measured before the run), to compare runs on
+different days by (docs/performance.md, "The test suite", has what they showed).
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,6 +49,19 @@ def machine() -> tuple[float, float]:
     return (sum(ticks) - idle) / hz, idle / hz
 
 
+def torch_import_cpu(runs: int = 3) -> float:
+    """Median CPU seconds of `python -c "import torch"`: the VM's speed. VMs of one kind
+    differ in it from day to day, and a run's total moves with it more than with most
+    changes (docs/performance.md, "The test suite")."""
+    got = []
+    for _ in range(runs):
+        t0 = os.times()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        t1 = os.times()
+        got.append(t1.children_user + t1.children_system - t0.children_user - t0.children_system)
+    return statistics.median(got)
+
+
 _session: dict = {}
 
 
@@ -55,7 +71,7 @@ def start(config):
         d.mkdir(parents=True, exist_ok=True)
         for f in d.glob("*.jsonl"):
             f.unlink()
-        _session.update(machine=machine(), wall=time.monotonic())
+        _session.update(torch_cpu=torch_import_cpu(), machine=machine(), wall=time.monotonic())
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -87,6 +103,8 @@ def pytest_terminal_summary(terminalreporter, config):
         busy, idle = (b - a for a, b in zip(_session["machine"], machine()))
         tr.section(f"The machine: {os.cpu_count()} cores busy {busy:.0f} core-s, idle {idle:.0f}, "
                    f"in {time.monotonic() - _session['wall']:.0f} s")
+        tr.write_line(f"this VM's speed: `import torch` took {_session['torch_cpu']:.2f} CPU-s (median of 3, "
+                      "before the run)")
         tr.write_line("idle core-s during a test (the other worker's test shares it):")
         for r in sorted(rows, key=lambda r: -r.get("machine_idle", 0))[:5]:
             tr.write_line(f"{r.get('machine_idle', 0):7.1f} idle {r['wall']:7.1f} wall  {r['id']}")

@@ -138,8 +138,8 @@ def test_damaged_latest_falls_back_and_resume_from(base_run, corpus, tmp_path):
 
 
 def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path):
-    """Job A runs; job B on the same run_dir fails at once (exit 5, before its ranks
-    import torch) naming A's host and pid; A is not disturbed. A lock left by a dead process is taken over, saying so. The
+    """Job A runs; job B on the same run_dir fails at once (exit 5, before it builds a
+    model) naming A's host and pid; A is not disturbed. A lock left by a dead process is taken over, saying so. The
     other holders (a requeued Slurm job, another host's live or silent job), decided by the
     same RunLock: tests/unit/test_rundir.py."""
     import json
@@ -150,7 +150,7 @@ def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path)
                                                    "--max_steps", "100000", "--checkpoint_interval", "0"]
     with running_job(cmd, (run_dir / "metrics.jsonl").exists) as a:
         holder = json.loads((run_dir / ".lock").read_text())
-        b = train(run_dir, corpus, timeout=30, env=torch_unimportable(tmp_path / "no-torch"))
+        b = train(run_dir, corpus, timeout=30)
         one_error(b, 5, f"is in use by another job (host {socket.gethostname()}, pid {holder['pid']}")
         assert b.elapsed < 15, b.elapsed
         assert a.poll() is None  # A runs on

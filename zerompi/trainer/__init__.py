@@ -2,7 +2,7 @@
 parses, checks and agrees the config before torch is imported):
 
     config.py       TrainConfig: the typed, frozen settings (`--help` lists them)
-    preflight.py    before torch: the run directory's lock, the resume's architecture, the data
+    preflight.py    before torch: the data, the resume's architecture; then the run directory's lock
     loop.py         the process grid, model, engine, resume, and the training loop
     schedule.py     the learning-rate schedules (the trainer's cosine, DeepSpeed's)
     progress.py     rank 0's console and metrics.jsonl

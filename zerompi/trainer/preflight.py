@@ -1,9 +1,10 @@
 """What `python -m zerompi.train` settles after the config and node layout and before it
-imports torch (train.py): the data every rank reads, the run directory's lock and the
-architecture of the checkpoint a resume would load. So bad or per-node data that differ,
-a second job on a busy run directory or a checkpoint of another model end a job of any
-size in the time its ranks take to start, before any model is built. Nothing here may
-import torch (tests/system/test_reliability.py runs these failures with it unimportable).
+imports torch (train.py): the data every rank reads and the architecture of the checkpoint
+a resume would load. So bad data, per-node copies that differ or a checkpoint of another
+model end a job of any size in the time its ranks take to start, before any model is
+built. Both only read; the run directory is claimed (`claim`) once the device is agreed
+too, so that a config error leaves nothing behind. Nothing here may import torch
+(tests/system/test_reliability.py runs these failures with it unimportable).
 
 Collective over `world`: a zerompi Communicator or a bare one (runtime.agree.ObjectComm)."""
 from __future__ import annotations
@@ -22,16 +23,20 @@ from ..runtime.rundir import RunLock
 
 @dataclass
 class Preflight:
-    lock: RunLock | None    # rank 0's hold on run_dir (freed at exit)
     data: Data              # the checked train/val tokens
     data_state: dict        # what the data order depends on (saved, compared on resume)
     spec: str               # the train data as opened (the default corpus's path)
+    lock: RunLock | None = None  # rank 0's hold on run_dir (claim(); freed at exit)
+
+    def claim(self, cfg, nodes, world) -> None:
+        """Collective: take run_dir for this job (one job per run_dir), or RunDirBusy on
+        every rank."""
+        self.lock = rundir.claim(Path(cfg.run_dir), world, nodes.local_rank)
 
 
 def preflight(cfg, nodes, world) -> Preflight | None:
-    """Open and agree the data, claim run_dir, check the resume's architecture; None once
-    rank 0 printed the job's one error line (bad data: run_dir is not created then),
-    ResumeError or RunDirBusy raised on every rank together."""
+    """Open and agree the data, check the resume's architecture; None once rank 0 printed
+    the job's one error line (bad data), ResumeError raised on every rank together."""
     if world.rank == 0:
         print(f"zerompi.train: {nodes.describe()}: {nodes.listing()}", flush=True)
     if cfg.data == "default":
@@ -45,11 +50,10 @@ def preflight(cfg, nodes, world) -> Preflight | None:
         return None
     # fingerprints agree, or ResumeError: per-rank files that differ go silently wrong
     data_state = agreed_data_state(world, cfg, data.train.tokens, data.val.tokens)
-    run_dir = Path(cfg.run_dir)
-    lock = rundir.claim(run_dir, world, nodes.local_rank)  # one job per run_dir; raises if busy
     if cfg.resume:  # another family or shape is said as such, before anything is built or loaded
-        check_architecture_first(world, run_dir / "checkpoints", cfg.resume_from, record(cfg.model.shape()))
-    return Preflight(lock, data, data_state, spec)
+        check_architecture_first(world, Path(cfg.run_dir) / "checkpoints", cfg.resume_from,
+                                 record(cfg.model.shape()))
+    return Preflight(data, data_state, spec)
 
 
 def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
