@@ -138,8 +138,8 @@ def test_damaged_latest_falls_back_and_resume_from(base_run, corpus, tmp_path):
 
 
 def test_second_job_on_a_run_directory_fails_naming_the_holder(corpus, tmp_path):
-    """Job A runs; job B on the same run_dir fails at once (exit 5, before it builds a
-    model) naming A's host and pid; A is not disturbed. A lock left by a dead process is taken over, saying so. The
+    """Job A runs; job B on the same run_dir fails at once (exit 5) naming A's host and
+    pid; A is not disturbed. A lock left by a dead process is taken over, saying so. The
     other holders (a requeued Slurm job, another host's live or silent job), decided by the
     same RunLock: tests/unit/test_rundir.py."""
     import json

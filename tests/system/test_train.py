@@ -151,8 +151,8 @@ def test_rank_with_another_config_is_named(tmp_path, corpus, without_torch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_a_config_error(tmp_path, corpus):
-    """...and, like any config error, it leaves nothing behind: the run directory is claimed
-    only once the device is agreed (trainer/preflight.py)."""
+    """One line, and like any config error it leaves nothing behind: the run directory is
+    claimed only once the device is agreed (trainer/preflight.py)."""
     rc, out, err = train_cli(["-n", "2", sys.executable] + TRAIN + FAST
                              + ["--data", corpus, "--run_dir", str(tmp_path / "r"), "--device", "cuda"])
     assert_one_error_line(rc, out, err, "error: config key 'device' = 'cuda': no CUDA device visible")

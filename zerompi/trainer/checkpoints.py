@@ -19,7 +19,7 @@ from .. import runtime
 from ..checkpoint import flush, poll, save
 from ..checkpoint.background.saver import saver_of
 from ..checkpoint.resume import ResumeError
-from ..models.arch import ARCHITECTURE, record
+from ..models.arch import ARCHITECTURE
 from ..runtime.console import say
 from .preflight import another_architecture, compare
 
@@ -106,8 +106,3 @@ def check_train_changes(world, client: dict | None, config: dict, model: dict, d
         say("WARNING: resuming with different " + ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in changed)
             + " than the checkpoint: the data order will not match an uninterrupted run", rank=world.rank)
 
-
-def model_state(shape) -> dict:
-    """The train CLI's architecture record (saved in checkpoints): the family and its
-    shape (a GPTConfig or LlamaConfig), models/arch.py."""
-    return record(shape)

@@ -1,6 +1,6 @@
-"""The run behind `python -m zerompi.train` (zerompi/train.py): the process grid, data,
-model, engine, resume and the training loop, once train.py has agreed the config and the node
-layout. Importing this imports torch (the costliest part of a rank's start-up), which train.py
+"""The run behind `python -m zerompi.train` (zerompi/train.py): the process grid, model,
+engine, resume and the training loop, once train.py has agreed the config and the node
+layout and its preflight (trainer/preflight.py) has checked the data. Importing this imports torch (the costliest part of a rank's start-up), which train.py
 does only then.
 
 run() returns the command's exit code (train.py lists them) or raises a JobError that
@@ -32,8 +32,9 @@ from ..parallel.dims import ParallelDims
 from ..runtime import watchdog
 from ..runtime.console import say
 from ..runtime.fileio import atomic_write
-from .checkpoints import TrainCheckpoints, check_train_changes, model_state
+from .checkpoints import TrainCheckpoints, check_train_changes
 from .compiling import compile_blocks
+from .preflight import model_state
 from .progress import Progress, batch_note, finish_message
 from .schedule import lr_at, position
 

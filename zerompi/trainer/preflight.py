@@ -3,8 +3,9 @@ imports torch (train.py): the data every rank reads and the architecture of the 
 a resume would load. So bad data, per-node copies that differ or a checkpoint of another
 model end a job of any size in the time its ranks take to start, before any model is
 built. Both only read; the run directory is claimed (`claim`) once the device is agreed
-too, so that a config error leaves nothing behind. Nothing here may import torch
-(tests/system/test_reliability.py runs these failures with it unimportable).
+too, so that a config error leaves nothing behind. Nothing here may import torch (the
+tests of these failures run with it unimportable: test_reliability.py, test_train_data.py,
+test_prepare_train.py).
 
 Collective over `world`: a zerompi Communicator or a bare one (runtime.agree.ObjectComm)."""
 from __future__ import annotations
@@ -52,8 +53,14 @@ def preflight(cfg, nodes, world) -> Preflight | None:
     data_state = agreed_data_state(world, cfg, data.train.tokens, data.val.tokens)
     if cfg.resume:  # another family or shape is said as such, before anything is built or loaded
         check_architecture_first(world, Path(cfg.run_dir) / "checkpoints", cfg.resume_from,
-                                 record(cfg.model.shape()))
+                                 model_state(cfg.model.shape()))
     return Preflight(data, data_state, spec)
+
+
+def model_state(shape) -> dict:
+    """The train CLI's architecture record (saved in checkpoints, compared on resume): the
+    family and its shape (a GPTConfig or LlamaConfig), models/arch.py."""
+    return record(shape)
 
 
 def agreed_data_state(world, cfg, train_tokens, val_tokens) -> dict:
@@ -85,6 +92,8 @@ def check_architecture_first(world, ckpt_dir, resume_from: str, model: dict) -> 
             paths, _ = candidates(os.path.abspath(ckpt_dir), resume_from)
         except (ResumeError, CheckpointError, OSError) as e:  # resume()'s own words, said sooner
             paths, msg = [], str(e)
+        except Exception:  # noqa: BLE001 - rank 0 alone: never leave the others in the bcast below
+            paths = []
         try:
             saved = (verify.read_manifest(paths[0]).get("client_state") or {}).get("model") if paths else None
         except Exception:  # noqa: BLE001 - resume() reports what is wrong with the directory
